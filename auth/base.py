@@ -1,0 +1,155 @@
+"""What the gateway asks of access control: who is calling, may they, and settle afterwards.
+
+The route handler calls, per request:
+    credential = extract_credential(headers)            # 401 for missing / malformed headers
+    admission = await access.admit(credential, model=..., estimated_tokens=...)   # ONE Redis round trip
+    ... call the backend (holding an upstream lease from acquire_upstream when the deployment has max_in_flight) ...
+    await access.settle(admission, prompt_tokens=..., completion_tokens=...)     # always: success, error, disconnect
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hmac
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gateway.errors import AuthError
+
+__all__ = [
+    "KEY_PREFIX",
+    "AccessControl",
+    "Admission",
+    "MasterKeyAccess",
+    "Principal",
+    "UpstreamLease",
+    "extract_credential",
+    "model_allowed",
+]
+
+KEY_PREFIX = "sk-ug-"
+
+
+def model_allowed(patterns: tuple[str, ...], model_id: str) -> bool:
+    """Empty allowlist = every model; otherwise exact IDs or shell-style wildcards (`openai/*`)."""
+    if not patterns:
+        return True
+    return any(p == model_id or fnmatch.fnmatchcase(model_id, p) for p in patterns)
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    key_id: str | None  # None for the master key
+    name: str
+    is_master: bool = False
+    models: tuple[str, ...] = ()
+
+    def may_use(self, model_id: str) -> bool:
+        return self.is_master or model_allowed(self.models, model_id)
+
+
+@dataclass(slots=True)
+class Admission:
+    """The result of a successful admit; hand it back to `settle` exactly once."""
+
+    principal: Principal
+    model: str
+    reserved_tokens: int = 0
+    lease_id: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* headers for the response
+    is_settled: bool = False
+
+
+@dataclass(slots=True)
+class UpstreamLease:
+    deployment: str
+    lease_id: str | None
+
+
+class AccessControl(Protocol):
+    async def authenticate(self, credential: str) -> Principal:
+        """Verify a key (401 `invalid_api_key` / `key_revoked` / `key_expired`)."""
+        ...
+
+    async def admit(self, credential: str, *, model: str, estimated_tokens: int) -> Admission:
+        """Verify the key, its model allowlist (403 `model_not_allowed`) and its limits (429 / 503), reserving
+        `estimated_tokens` and a concurrency slot."""
+        ...
+
+    async def settle(self, admission: Admission, *, prompt_tokens: int, completion_tokens: int) -> None:
+        """Charge real usage (refunding the reservation's difference), record usage, release the lease. Idempotent."""
+        ...
+
+    async def acquire_upstream(self, deployment: str, *, max_in_flight: int, timeout_s: float) -> UpstreamLease:
+        """Wait (fairly) for one of a deployment's cluster-wide `max_in_flight` slots; 503 `upstream_at_capacity`."""
+        ...
+
+    async def release_upstream(self, lease: UpstreamLease) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+def extract_credential(headers: Mapping[str, str]) -> str:
+    """The caller's key from `Authorization: Bearer …` (OpenAI style) or `x-api-key: …` (Anthropic style)."""
+    authorization = headers.get("authorization")
+    if authorization is not None:
+        scheme, _, value = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer":
+            raise AuthError(
+                "Malformed Authorization header: expected 'Authorization: Bearer <key>' but the value has no "
+                "'Bearer ' prefix. Add the prefix (or send the key as 'x-api-key: <key>').",
+                code="invalid_auth_header",
+            )
+        value = value.strip()
+        if not value:
+            raise AuthError(
+                "Malformed Authorization header: 'Bearer' is followed by no key. Send 'Authorization: Bearer <key>'.",
+                code="invalid_auth_header",
+            )
+        return value
+    api_key = headers.get("x-api-key")
+    if api_key is not None and api_key.strip():
+        return api_key.strip()
+    raise AuthError(
+        "No API key provided. Send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+        code="missing_api_key",
+    )
+
+
+def wrong_prefix_error() -> AuthError:
+    return AuthError(
+        f"Invalid API key: unigate keys start with '{KEY_PREFIX}'; this one does not (is it a key for another "
+        "service, e.g. an upstream provider key?). Use a key from `unigate keys create`.",
+        code="invalid_api_key",
+    )
+
+
+class MasterKeyAccess:
+    """Access control with only the master key and no limits (used when no Redis-backed store is wired)."""
+
+    def __init__(self, master_key: str) -> None:
+        self._master_key = master_key.encode()
+        self._principal = Principal(key_id=None, name="master", is_master=True)
+
+    async def authenticate(self, credential: str) -> Principal:
+        if hmac.compare_digest(credential.encode(), self._master_key):
+            return self._principal
+        if not credential.startswith(KEY_PREFIX):
+            raise wrong_prefix_error()
+        raise AuthError("Invalid API key: no such key. Check for typos or create one with `unigate keys create`.")
+
+    async def admit(self, credential: str, *, model: str, estimated_tokens: int) -> Admission:
+        return Admission(principal=await self.authenticate(credential), model=model)
+
+    async def settle(self, admission: Admission, *, prompt_tokens: int, completion_tokens: int) -> None:
+        admission.is_settled = True
+
+    async def acquire_upstream(self, deployment: str, *, max_in_flight: int, timeout_s: float) -> UpstreamLease:
+        return UpstreamLease(deployment=deployment, lease_id=None)
+
+    async def release_upstream(self, lease: UpstreamLease) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None

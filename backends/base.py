@@ -1,0 +1,47 @@
+"""The backend protocol: what the router needs from an upstream API or the local engine.
+
+Bodies are plain dicts already parsed by the route (the route rewrites `model` to the deployment's name and
+adds what the backend needs, e.g. `stream_options.include_usage`). Backends raise `gateway.errors` types
+(`BackendError` and subclasses, `EngineError`); they never return error payloads as data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Literal, Protocol, runtime_checkable
+
+__all__ = ["Backend", "Endpoint", "Json"]
+
+Json = dict[str, Any]
+
+# The API surface a call targets, as a path under the upstream's /v1.
+Endpoint = Literal["chat/completions", "completions", "embeddings", "responses", "messages", "messages/count_tokens"]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One deployment: an OpenAI-compatible upstream, an Anthropic upstream, or the local engine."""
+
+    name: str  # stable deployment id, used in metrics, cooldowns and Redis lease keys (never a hostname)
+
+    def supports(self, endpoint: Endpoint) -> bool:
+        """Whether this backend serves `endpoint` natively (the gateway translates otherwise)."""
+        ...
+
+    async def send(self, endpoint: Endpoint, body: Json, *, request_id: str) -> Json:
+        """One non-streaming call; returns the parsed JSON response of that endpoint's family."""
+        ...
+
+    def stream(self, endpoint: Endpoint, body: Json, *, request_id: str) -> AsyncIterator[Json]:
+        """A streaming call yielding each parsed event/chunk (OpenAI chunks, or Anthropic events with their
+        `type`); the iterator ends after the final chunk (the `[DONE]` marker is not yielded). Closing the
+        iterator early (client gone) must cancel the upstream request promptly."""
+        ...
+
+    async def check_health(self) -> bool:
+        """A cheap reachability probe for /health/ready."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release pools and background resources."""
+        ...

