@@ -30,5 +30,16 @@ def serve(
     run(settings)
 
 
+def _register_command_groups() -> None:
+    from auth.cli import register as register_keys
+    from bench.cli import register as register_bench
+
+    register_keys(app)  # unigate keys create|list|show|update|rotate|revoke|usage
+    register_bench(app)  # unigate bench [compare], doctor, kv-plan
+
+
+_register_command_groups()
+
+
 def main() -> None:
     app()

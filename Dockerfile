@@ -1,0 +1,30 @@
+# The unigate gateway. Build: `docker build -t unigate .` (add `--build-arg EXTRAS=` to leave out the local
+# engine and its torch dependency when only remote upstreams are routed).
+FROM python:3.11-slim
+
+ARG EXTRAS=engine
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    UNIGATE_HOST=0.0.0.0 \
+    UNIGATE_PORT=8080 \
+    UNIGATE_DATA_DIR=/data \
+    UNIGATE_LOG_FORMAT=json
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY gateway ./gateway
+COPY auth ./auth
+COPY backends ./backends
+COPY local_engine ./local_engine
+COPY bench ./bench
+RUN pip install ".${EXTRAS:+[$EXTRAS]}" && useradd --create-home --uid 10001 unigate \
+    && mkdir -p /data && chown unigate /data
+USER unigate
+VOLUME ["/data"]
+EXPOSE 8080
+HEALTHCHECK --interval=10s --timeout=3s --start-period=20s \
+    CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/health/live', timeout=2)"
+# uvicorn handles SIGTERM: stop accepting, let streams finish for UNIGATE_SHUTDOWN_GRACE_S, then close pools.
+STOPSIGNAL SIGTERM
+CMD ["unigate", "serve"]

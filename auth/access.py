@@ -1,0 +1,490 @@
+"""`RedisAccess`: the `AccessControl` of a gateway with keys, limits, budgets and upstream caps in Redis.
+
+Hot path: `admit` is one Redis round trip (the `admit_request` script) once the key's id is cached; a key seen
+for the first time costs one extra GET (hash → id). The script is authoritative — revoked, expired, rotated,
+allowlist, budget, concurrency, RPM, TPM — so a revocation takes effect on every instance at once. The
+in-process cache holds verified keys for `limits.key_cache_ttl_s`; it serves `authenticate` and carries cached
+keys through a Redis outage, and is invalidated through pub/sub (`ug:events`) when an admin changes a key.
+
+When Redis fails (`StorageError`), `settings.redis_failure_mode` decides: `closed` → 503 `limits_unavailable`
+except for keys verified within the cache lifetime; `open` → serve every key this instance has verified before,
+without limits (an unknown key still cannot be verified, so it still gets 503). Every bypass is logged and
+counted. Nothing waits on a dead Redis for longer than the client's socket timeout, and after one failure the
+next `_FAST_FAIL_S` skip Redis entirely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import math
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import ConnectionPool, Redis
+from redis.exceptions import MaxConnectionsError, RedisError
+
+from auth import redis_names, scripts
+from auth.base import KEY_PREFIX, Admission, Principal, UpstreamLease, model_allowed, wrong_prefix_error
+from auth.keys import hash_key, new_request_id
+from auth.scripts import AdmitReply, StorageError, storage_errors
+from auth.store import KeyRecord, KeyStore
+from gateway.errors import (
+    AuthError,
+    BudgetExceededError,
+    GatewayError,
+    LimitError,
+    PermissionDeniedError,
+    UnavailableError,
+)
+from gateway.settings import Settings
+
+__all__ = ["RedisAccess", "format_reset"]
+
+logger = logging.getLogger("unigate.auth")
+
+
+_FAST_FAIL_S = 0.5  # after a failure, skip Redis this long instead of paying a timeout on every request
+_MAX_CACHED_KEYS = 10_000
+_POLL_S = 1.0  # an upstream waiter re-checks this often even if no wake-up arrives (a lost hand-off)
+_MAX_WAITERS = 1024  # blocking connections per instance; waiters beyond these poll every _POLL_S
+_HANDOFF_TTL_MS = 5_000  # a slot handed to a waiter that never confirms it frees itself after this
+_MARKER_TTL_MS = 120_000  # a retried settle within 2 min is a no-op (one small key per request, so keep it short)
+_USAGE_RETENTION_S = 400 * 86_400
+
+
+def format_reset(ms: int) -> str:
+    """OpenAI's duration style for x-ratelimit-reset-*: `20ms`, `1.5s`, `6m0s`."""
+    if ms < 1000:
+        return f"{max(ms, 0)}ms"
+    minutes, rest_ms = divmod(ms, 60_000)
+    seconds = f"{rest_ms / 1000:.3f}".rstrip("0").rstrip(".")
+    return f"{minutes}m{seconds}s" if minutes else f"{seconds}s"
+
+
+def _retry_after(ms: int) -> dict[str, str]:
+    return {"retry-after": str(max(1, math.ceil(ms / 1000)))}
+
+
+class _FastFailError(StorageError):
+    """Redis was not asked: it failed less than `_FAST_FAIL_S` ago."""
+
+
+@dataclass(slots=True)
+class _CachedKey:
+    key_id: str
+    version: int
+    principal: Principal
+    expires_at_ms: int | None
+    is_revoked: bool
+    verified_at: float  # monotonic time of the last verification against Redis
+
+    def check(self) -> None:
+        """Raise if the cached record itself says no (used when Redis cannot be asked)."""
+        if self.is_revoked:
+            raise _revoked_error()
+        if self.expires_at_ms is not None and self.expires_at_ms <= time.time() * 1000:
+            raise _expired_error()
+
+
+def _revoked_error() -> AuthError:
+    return AuthError("This API key has been revoked. Ask the gateway admin for a new key.", code="key_revoked")
+
+
+def _expired_error() -> AuthError:
+    return AuthError(
+        "This API key has expired. Ask the gateway admin to extend it (PATCH expires_at) or for a new key.",
+        code="key_expired",
+    )
+
+
+def _unknown_key_error() -> AuthError:
+    return AuthError(
+        "Invalid API key: no such key (or it was rotated). Check for typos or create one with `unigate keys create`."
+    )
+
+
+def _headers(reply: AdmitReply) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    if reply.rpm_limit >= 0:
+        headers["x-ratelimit-limit-requests"] = str(reply.rpm_limit)
+        headers["x-ratelimit-remaining-requests"] = str(max(reply.rpm_remaining, 0))
+        headers["x-ratelimit-reset-requests"] = format_reset(reply.rpm_reset_ms)
+    if reply.tpm_limit >= 0:
+        headers["x-ratelimit-limit-tokens"] = str(reply.tpm_limit)
+        headers["x-ratelimit-remaining-tokens"] = str(max(reply.tpm_remaining, 0))
+        headers["x-ratelimit-reset-tokens"] = format_reset(reply.tpm_reset_ms)
+    return headers
+
+
+def _rejection(reply: AdmitReply, principal: Principal | None, model: str, estimated_tokens: int) -> GatewayError:
+    status, retry_ms = reply.status, reply.retry_after_ms
+    if status == "key_revoked":
+        return _revoked_error()
+    if status == "key_expired":
+        return _expired_error()
+    if status == "model_not_allowed":
+        allowed = ", ".join(principal.models) if principal is not None else "(see the key's settings)"
+        return PermissionDeniedError(
+            f"This API key may not use model '{model}'. Allowed models: {allowed}. Ask the gateway admin to add it.",
+            code="model_not_allowed",
+            param="model",
+        )
+    if status == "budget_exceeded":
+        return BudgetExceededError(
+            "This API key's token budget is spent. Ask the gateway admin to raise `token_budget`"
+            + (" or wait for the budget period to reset." if retry_ms else "."),
+            headers=_retry_after(retry_ms) if retry_ms else {},
+        )
+    if status == "concurrency_limit_exceeded":
+        return LimitError(
+            "Too many concurrent requests for this API key (max_concurrent). Wait for one to finish and retry.",
+            code="concurrency_limit_exceeded",
+            headers=_retry_after(retry_ms),
+        )
+    headers = {**_retry_after(retry_ms), **_headers(reply)}
+    if status == "rate_limit_exceeded":
+        headers["x-ratelimit-remaining-requests"] = "0"
+        return LimitError(
+            f"Rate limit reached: {reply.rpm_limit} requests per minute for this API key. "
+            f"Retry after {headers['retry-after']} s.",
+            code="rate_limit_exceeded",
+            headers=headers,
+        )
+    if status == "tokens_limit_exceeded":
+        if estimated_tokens > reply.tpm_limit:
+            message = (
+                f"This request may use up to {estimated_tokens} tokens, more than this key's whole limit of "
+                f"{reply.tpm_limit} tokens per minute. Lower max_tokens or shorten the prompt."
+            )
+        else:
+            message = (
+                f"Token rate limit reached: {reply.tpm_limit} tokens per minute for this API key. "
+                f"Retry after {headers['retry-after']} s, or lower max_tokens."
+            )
+        return LimitError(message, code="tokens_limit_exceeded", headers=headers)
+    return _unknown_key_error()
+
+
+class RedisAccess:
+    """`AccessControl` over Redis. Call `start()` once (the lifespan does) and `aclose()` at shutdown."""
+
+    def __init__(self, redis: Redis, *, settings: Settings, master_key: str, rate_window_s: float = 60.0) -> None:
+        """`rate_window_s` is the RPM/TPM window: 60 s in production; tests shorten it to cross its edge."""
+        self._redis = redis
+        self._store = KeyStore(redis)
+        self._blocking = _blocking_client(redis, read_timeout_s=_POLL_S + 1.0)
+        self._master_key = master_key.encode()
+        self._master = Principal(key_id=None, name="master", is_master=True)
+        self._is_fail_open = settings.redis_failure_mode == "open"
+        self._cache_ttl_s = settings.limits.key_cache_ttl_s
+        self._lease_ttl_ms = int(settings.limits.lease_ttl_s * 1000)
+        self._window_ms = int(rate_window_s * 1000)
+        self._cache: dict[str, _CachedKey] = {}
+        self._redis_down_until = 0.0
+        self._listener: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._is_closing = False
+        # Counters for the app's metrics registry (gateway/metrics exports them; no global registry here).
+        self.num_storage_errors = 0
+        self.num_limit_bypasses = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Register the scripts (best effort: NOSCRIPT recovery covers a Redis that is down now) and start
+        listening for key changes."""
+        try:
+            await scripts.register_all(self._redis)
+        except StorageError as exc:
+            await self._note_failure("register_scripts", exc)
+        if self._listener is None:
+            self._listener = asyncio.create_task(self._listen(), name="unigate-key-events")
+
+    async def aclose(self) -> None:
+        self._is_closing = True
+        tasks = {t for t in (self._listener, *self._background) if t is not None}
+        # redis-py can swallow a cancellation that lands while it connects, so cancel again until each task ends
+        # (the listener also checks `_is_closing` at least once a second).
+        deadline = time.monotonic() + 3.0
+        while tasks and time.monotonic() < deadline:
+            for task in tasks:
+                task.cancel()
+            _, tasks = await asyncio.wait(tasks, timeout=0.1)
+        self._listener = None
+        await self._blocking.aclose()
+
+    async def ping(self) -> bool:
+        """For /health/ready: can Redis be reached right now?"""
+        try:
+            async with storage_errors():
+                return bool(await self._redis.ping())
+        except StorageError:
+            return False
+
+    async def _listen(self) -> None:
+        """Drop cached keys on `ug:events`; after any gap in the subscription drop them all (events were missed)."""
+        backoff_s = 0.1
+        has_subscribed = False
+        while not self._is_closing:
+            pubsub = self._redis.pubsub()
+            try:
+                await pubsub.subscribe(redis_names.EVENTS_CHANNEL)
+                if has_subscribed:
+                    self._cache.clear()
+                has_subscribed = True
+                backoff_s = 0.1
+                while not self._is_closing:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if message is not None:
+                        self._invalidate(message["data"].decode())
+            except (TimeoutError, RedisError, OSError):
+                pass
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, 2.0)
+
+    # -- the key cache -----------------------------------------------------------------------------------------
+
+    def _invalidate(self, key_id: str) -> None:
+        for key_hash in [h for h, cached in self._cache.items() if cached.key_id == key_id]:
+            del self._cache[key_hash]
+
+    def _remember(self, key_hash: str, record: KeyRecord) -> _CachedKey:
+        cached = _CachedKey(
+            key_id=record.id,
+            version=record.version,
+            principal=Principal(key_id=record.id, name=record.name, models=record.models),
+            expires_at_ms=record.expires_at_ms,
+            is_revoked=record.is_revoked,
+            verified_at=time.monotonic(),
+        )
+        self._cache.pop(key_hash, None)
+        if len(self._cache) >= _MAX_CACHED_KEYS:
+            del self._cache[next(iter(self._cache))]
+        self._cache[key_hash] = cached
+        return cached
+
+    def _is_fresh(self, cached: _CachedKey) -> bool:
+        return time.monotonic() - cached.verified_at < self._cache_ttl_s
+
+    # -- Redis failure handling --------------------------------------------------------------------------------
+
+    async def _note_failure(self, operation: str, exc: StorageError) -> None:
+        """Count and log a failure, fail fast for a moment, and drop idle pooled connections: after a Redis restart
+        each of them would fail once more, so recovery would be slow and ragged without this."""
+        if isinstance(exc, _FastFailError):
+            return  # not a new failure: Redis was not asked
+        self.num_storage_errors += 1
+        if time.monotonic() >= self._redis_down_until:
+            logger.warning(
+                "Redis unavailable during %s; failure mode %s", operation, "open" if self._is_fail_open else "closed"
+            )
+        self._redis_down_until = time.monotonic() + _FAST_FAIL_S
+        for pool in (self._redis.connection_pool, self._blocking.connection_pool):
+            with contextlib.suppress(RedisError, OSError):
+                await pool.disconnect(inuse_connections=False)
+
+    def _check_redis_up(self) -> None:
+        if time.monotonic() < self._redis_down_until:
+            raise _FastFailError("Redis failed moments ago; not retrying yet.", headers={"retry-after": "1"})
+
+    def _without_redis(self, cached: _CachedKey | None, model: str | None) -> Principal:
+        """The principal to serve without Redis, or 503 `limits_unavailable` when the failure mode forbids it."""
+        if cached is not None and (self._is_fail_open or self._is_fresh(cached)):
+            cached.check()
+            if model is not None and not model_allowed(cached.principal.models, model):
+                raise PermissionDeniedError(
+                    f"This API key may not use model '{model}'. Ask the gateway admin to add it.",
+                    code="model_not_allowed",
+                    param="model",
+                )
+            self.num_limit_bypasses += 1
+            return cached.principal
+        raise UnavailableError(
+            "Rate limits cannot be checked right now (the gateway's Redis is unavailable), so this key cannot be "
+            "verified. Retry in a few seconds.",
+            code="limits_unavailable",
+            headers={"retry-after": "1"},
+        )
+
+    # -- AccessControl -----------------------------------------------------------------------------------------
+
+    def _is_master(self, credential: str) -> bool:
+        return hmac.compare_digest(credential.encode(), self._master_key)
+
+    async def authenticate(self, credential: str) -> Principal:
+        if self._is_master(credential):
+            return self._master
+        if not credential.startswith(KEY_PREFIX):
+            raise wrong_prefix_error()
+        key_hash = hash_key(credential)
+        cached = self._cache.get(key_hash)
+        if cached is not None and self._is_fresh(cached):
+            cached.check()
+            return cached.principal
+        try:
+            self._check_redis_up()
+            record = await self._store.find_by_secret(credential)
+        except StorageError as exc:
+            await self._note_failure("authenticate", exc)
+            return self._without_redis(cached, model=None)
+        if record is None:
+            self._cache.pop(key_hash, None)
+            raise _unknown_key_error()
+        cached = self._remember(key_hash, record)
+        cached.check()
+        return cached.principal
+
+    async def admit(self, credential: str, *, model: str, estimated_tokens: int) -> Admission:
+        if self._is_master(credential):
+            return Admission(principal=self._master, model=model)
+        if not credential.startswith(KEY_PREFIX):
+            raise wrong_prefix_error()
+        key_hash = hash_key(credential)
+        cached = self._cache.get(key_hash)
+        request_id = new_request_id()
+        try:
+            self._check_redis_up()
+            key_id = cached.key_id if cached is not None else await self._store.find_id(key_hash)
+            if key_id is None:
+                raise _unknown_key_error()
+            reply = await scripts.admit_request(
+                self._redis,
+                key_id=key_id,
+                key_hash=key_hash,
+                model=model,
+                estimated_tokens=estimated_tokens,
+                request_id=request_id,
+                lease_ttl_ms=self._lease_ttl_ms,
+                window_ms=self._window_ms,
+                cached_version=cached.version if cached is not None else None,
+            )
+        except StorageError as exc:
+            await self._note_failure("admit", exc)
+            principal = self._without_redis(cached, model)
+            return Admission(principal=principal, model=model, lease_id=request_id)
+        if reply.record:
+            cached = self._remember(key_hash, KeyRecord.from_hash(reply.record))
+        if reply.status == "invalid_api_key":
+            self._cache.pop(key_hash, None)
+        if reply.status != "ok" or cached is None:
+            raise _rejection(reply, cached.principal if cached is not None else None, model, estimated_tokens)
+        cached.verified_at = time.monotonic()
+        return Admission(
+            principal=cached.principal,
+            model=model,
+            reserved_tokens=max(estimated_tokens, 0),
+            lease_id=request_id,
+            headers=_headers(reply),
+        )
+
+    async def settle(self, admission: Admission, *, prompt_tokens: int, completion_tokens: int) -> None:
+        """True up the reservation, release the concurrency lease and record usage. Never raises for Redis
+        failures: the reservation then ages out of the window and the lease expires."""
+        if admission.is_settled:
+            return
+        admission.is_settled = True
+        key_id = admission.principal.key_id or redis_names.MASTER_ID
+        try:
+            self._check_redis_up()
+            await scripts.settle_request(
+                self._redis,
+                key_id=key_id,
+                request_id=admission.lease_id or new_request_id(),
+                reserved_tokens=admission.reserved_tokens,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                model=admission.model,
+                window_ms=self._window_ms,
+                marker_ttl_ms=_MARKER_TTL_MS,
+                usage_retention_s=_USAGE_RETENTION_S,
+            )
+        except StorageError as exc:
+            await self._note_failure("settle", exc)
+
+    async def acquire_upstream(self, deployment: str, *, max_in_flight: int, timeout_s: float) -> UpstreamLease:
+        """Wait in a cluster-wide FIFO for one of `max_in_flight` slots: woken by the releaser through a Redis list
+        (BLPOP), re-checking every `_POLL_S` in case a wake-up was lost. Redis down → no cap (logged, counted)."""
+        if max_in_flight <= 0:
+            return UpstreamLease(deployment=deployment, lease_id=None)
+        lease_id = new_request_id()
+        entry = ""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        wake_key = redis_names.upstream_wake(deployment, lease_id)
+        try:
+            self._check_redis_up()
+            while True:
+                is_held, entry = await scripts.acquire_upstream(
+                    self._redis,
+                    deployment=deployment,
+                    lease_id=lease_id,
+                    max_in_flight=max_in_flight,
+                    lease_ttl_ms=self._lease_ttl_ms,
+                    wait_timeout_ms=int(timeout_s * 1000) + 1000,
+                    queue_entry=entry,
+                )
+                if is_held:
+                    return UpstreamLease(deployment=deployment, lease_id=lease_id)
+                remaining_s = deadline - loop.time()
+                if remaining_s <= 0:
+                    break
+                await self._wait_for_wake(wake_key, max(min(remaining_s, _POLL_S), 0.01))
+        except StorageError as exc:
+            await self._note_failure("acquire_upstream", exc)
+            self.num_limit_bypasses += 1
+            return UpstreamLease(deployment=deployment, lease_id=None)
+        except asyncio.CancelledError:
+            self._in_background(self._withdraw(deployment, lease_id, entry))
+            raise
+        await self._withdraw(deployment, lease_id, entry)
+        raise UnavailableError(
+            f"The upstream for this model is at capacity (max_in_flight={max_in_flight}) and no slot freed up "
+            f"within {timeout_s:g} s. Retry shortly.",
+            code="upstream_at_capacity",
+            headers={"retry-after": "1"},
+        )
+
+    async def _wait_for_wake(self, wake_key: str, timeout_s: float) -> None:
+        try:
+            async with storage_errors():
+                await self._blocking.blpop([wake_key], timeout=timeout_s)
+        except StorageError as exc:
+            if not isinstance(exc.__cause__, MaxConnectionsError):
+                raise
+            await asyncio.sleep(timeout_s)  # more waiters than blocking connections: poll instead
+
+    async def _withdraw(self, deployment: str, lease_id: str, entry: str) -> None:
+        """Leave the queue; a slot handed over in the meantime passes on to the next waiter."""
+        try:
+            await scripts.release_upstream(
+                self._redis, deployment=deployment, lease_id=lease_id, queue_entry=entry, handoff_ttl_ms=_HANDOFF_TTL_MS
+            )
+        except StorageError as exc:
+            await self._note_failure("release_upstream", exc)
+
+    def _in_background(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def release_upstream(self, lease: UpstreamLease) -> None:
+        if lease.lease_id is not None:
+            await self._withdraw(lease.deployment, lease.lease_id, "")
+
+
+def _blocking_client(redis: Redis, *, read_timeout_s: float) -> Redis:
+    """A second pool on the same server for BLPOP (one connection per waiter, so it is large), whose read
+    timeout must outlast the blocking wait."""
+    pool = redis.connection_pool
+    kwargs = dict(pool.connection_kwargs)
+    kwargs["socket_timeout"] = read_timeout_s
+    blocking_pool = ConnectionPool(connection_class=pool.connection_class, max_connections=_MAX_WAITERS, **kwargs)
+    return Redis.from_pool(blocking_pool)

@@ -1,0 +1,174 @@
+"""Admin API logic without HTTP: validate the JSON bodies, shape records and usage for output.
+
+Output never contains a secret or its hash; the secret appears only in the `key` field of the create and
+rotate responses, added by the route.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Literal, TypeVar
+
+import orjson
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from auth.store import KeyRecord, UsageRow, UsageTotals
+from gateway.errors import InvalidRequestError
+
+__all__ = [
+    "KeyCreateBody",
+    "KeyUpdateBody",
+    "parse_body",
+    "record_json",
+    "rfc3339",
+    "totals_json",
+    "usage_json",
+]
+
+_MAX_MODELS = 256
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+def _check_patterns(models: list[str]) -> list[str]:
+    for pattern in models:
+        if not pattern or not pattern.strip():
+            raise ValueError("model patterns must be non-empty strings")
+        if "[" in pattern or "]" in pattern:
+            raise ValueError(f"model pattern {pattern!r}: only exact ids and the wildcards '*' and '?' are supported")
+    return models
+
+
+class KeyCreateBody(BaseModel):
+    """`POST /admin/keys`: every field optional; absent limits mean unlimited."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(default="", max_length=200)
+    models: list[str] = Field(default_factory=list, max_length=_MAX_MODELS)
+    rpm: int | None = Field(default=None, ge=0)
+    tpm: int | None = Field(default=None, ge=0)
+    max_concurrent: int | None = Field(default=None, ge=1)
+    token_budget: int | None = Field(default=None, ge=0)
+    budget_period: Literal["total", "day", "month"] = "total"
+    expires_at: AwareDatetime | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    _check_models = field_validator("models")(_check_patterns)
+
+    def record_fields(self) -> dict[str, Any]:
+        return _to_record_fields(self.model_dump())
+
+
+class KeyUpdateBody(BaseModel):
+    """`PATCH /admin/keys/{id}`: only the fields sent change; `null` removes a limit, the budget or the expiry."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(default=None, max_length=200)
+    models: list[str] | None = Field(default=None, max_length=_MAX_MODELS)
+    rpm: int | None = Field(default=None, ge=0)
+    tpm: int | None = Field(default=None, ge=0)
+    max_concurrent: int | None = Field(default=None, ge=1)
+    token_budget: int | None = Field(default=None, ge=0)
+    budget_period: Literal["total", "day", "month"] | None = None
+    expires_at: AwareDatetime | None = None
+    metadata: dict[str, Any] | None = None
+
+    _check_models = field_validator("models")(lambda models: None if models is None else _check_patterns(models))
+
+    def record_fields(self) -> dict[str, Any]:
+        changes = self.model_dump(include=self.model_fields_set)
+        for name in ("name", "models", "budget_period", "metadata"):
+            if name in changes and changes[name] is None:
+                raise InvalidRequestError(f"'{name}' cannot be null; send a value or leave it out.", param=name)
+        return _to_record_fields(changes)
+
+
+def _to_record_fields(values: dict[str, Any]) -> dict[str, Any]:
+    if "expires_at" in values and values["expires_at"] is not None:
+        values["expires_at"] = int(values["expires_at"].timestamp() * 1000)
+    return values
+
+
+def parse_body(raw: bytes, model: type[BodyT]) -> BodyT:
+    """Validate a JSON body, turning the first problem into a 400 that names the field."""
+    try:
+        data = orjson.loads(raw) if raw.strip() else {}
+    except orjson.JSONDecodeError:
+        raise InvalidRequestError("The request body is not valid JSON.", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError("The request body must be a JSON object.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = ".".join(str(part) for part in error["loc"]) or None
+        raise InvalidRequestError(f"Invalid field '{field}': {error['msg']}.", param=field) from None
+
+
+def rfc3339(ms: int | None) -> str | None:
+    if ms is None:
+        return None
+    moment = dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC)
+    return moment.isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def record_json(record: KeyRecord, now_ms: int) -> dict[str, Any]:
+    """The public shape of a key record (no secret, no hash)."""
+    budget_spent = record.budget_spent(now_ms)
+    return {
+        "object": "api_key",
+        "id": record.id,
+        "name": record.name,
+        "key_prefix": record.key_prefix,
+        "created_at": rfc3339(record.created_at_ms),
+        "updated_at": rfc3339(record.updated_at_ms),
+        "expires_at": rfc3339(record.expires_at_ms),
+        "revoked": record.is_revoked,
+        "revoked_at": rfc3339(record.revoked_at_ms),
+        "rotated_at": rfc3339(record.rotated_at_ms),
+        "last_used_at": rfc3339(record.last_used_at_ms),
+        "is_expired": record.is_expired(now_ms),
+        "models": list(record.models),
+        "rpm": record.rpm,
+        "tpm": record.tpm,
+        "max_concurrent": record.max_concurrent,
+        "token_budget": record.token_budget,
+        "budget_period": record.budget_period,
+        "budget_spent": budget_spent,
+        "budget_remaining": None if record.token_budget is None else max(record.token_budget - budget_spent, 0),
+        "tokens_spent": record.tokens_spent,
+        "num_requests": record.num_requests,
+        "prompt_tokens": record.prompt_tokens,
+        "completion_tokens": record.completion_tokens,
+        "metadata": record.metadata,
+    }
+
+
+def _row_json(row: UsageRow) -> dict[str, Any]:
+    shaped: dict[str, Any] = {"date": row.date} if row.date else {}
+    shaped.update(
+        model=row.model,
+        requests=row.num_requests,
+        prompt_tokens=row.prompt_tokens,
+        completion_tokens=row.completion_tokens,
+        total_tokens=row.prompt_tokens + row.completion_tokens,
+    )
+    return shaped
+
+
+def usage_json(key_id: str, rows: list[UsageRow]) -> dict[str, Any]:
+    return {"object": "list", "key_id": key_id, "data": [_row_json(row) for row in rows]}
+
+
+def totals_json(totals: UsageTotals) -> dict[str, Any]:
+    return {
+        "object": "usage",
+        "num_keys": totals.num_keys,
+        "num_active_keys": totals.num_active_keys,
+        "requests": totals.num_requests,
+        "prompt_tokens": totals.prompt_tokens,
+        "completion_tokens": totals.completion_tokens,
+        "total_tokens": totals.prompt_tokens + totals.completion_tokens,
+        "by_model": [_row_json(row) for row in totals.by_model],
+    }

@@ -1,0 +1,268 @@
+"""`unigate keys …`: the admin API from the command line, over HTTP to a running gateway."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, NoReturn
+
+import httpx
+import orjson
+import typer
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["keys_app", "register"]
+
+_RECORD_COLUMNS = ("id", "name", "key_prefix", "models", "rpm", "tpm", "max_concurrent", "token_budget", "revoked")
+
+BaseUrl = Annotated[str, typer.Option("--base-url", envvar="UNIGATE_BASE_URL", help="The running gateway.")]
+MasterKey = Annotated[
+    str | None,
+    typer.Option(
+        "--master-key",
+        envvar="UNIGATE_MASTER_KEY",
+        show_envvar=True,
+        help="Default: $UNIGATE_MASTER_KEY, else the master_key file in the data directory.",
+    ),
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Print the raw JSON response.")]
+_DEFAULT_BASE_URL = "http://127.0.0.1:8080"
+
+keys_app = typer.Typer(name="keys", help="Manage API keys on a running gateway.", no_args_is_help=True)
+
+
+def _console() -> Console:
+    return Console()  # built per use, so it sees the terminal (and COLUMNS) of this invocation
+
+
+def _fail(message: str) -> NoReturn:
+    _console().print(f"[red]error:[/red] {message}", highlight=False)
+    raise typer.Exit(1)
+
+
+def _master_key(explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    from auth.master_key import read_master_key
+    from gateway.settings import Settings
+
+    key = read_master_key(Settings())
+    if key is None:
+        _fail("no master key: pass --master-key, set UNIGATE_MASTER_KEY, or run from the gateway's directory.")
+    return key
+
+
+def _call(method: str, base_url: str, master_key: str | None, path: str, **kwargs: Any) -> dict[str, Any]:
+    headers = {"authorization": f"Bearer {_master_key(master_key)}"}
+    try:
+        with httpx.Client(base_url=base_url, headers=headers, timeout=30.0) as client:
+            response = client.request(method, path, **kwargs)
+    except httpx.HTTPError as exc:
+        _fail(f"cannot reach the gateway at {base_url} ({type(exc).__name__}). Is `unigate serve` running?")
+    try:
+        data: dict[str, Any] = response.json()
+    except ValueError:
+        _fail(f"the gateway answered {response.status_code} with a non-JSON body")
+    if response.is_error:
+        error = data.get("error", {}) if isinstance(data, dict) else {}
+        _fail(f"{response.status_code} {error.get('code', '')}: {error.get('message', response.text)}")
+    return data
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, list):
+        return ", ".join(str(v) for v in value) or "all"
+    return str(value)
+
+
+def _print_record(record: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        typer.echo(orjson.dumps(record, option=orjson.OPT_INDENT_2).decode())
+        return
+    table = Table(show_header=False, box=None)
+    for name, value in record.items():
+        if name not in ("key", "object"):
+            table.add_row(f"[bold]{name}[/bold]", _cell(value))
+    _console().print(table)
+    if "key" in record:
+        _console().print(
+            f"\n[bold green]key[/bold green] (shown only now, store it safely): {record['key']}", highlight=False
+        )
+
+
+def _limits_body(
+    name: str | None,
+    models: list[str] | None,
+    rpm: int | None,
+    tpm: int | None,
+    max_concurrent: int | None,
+    token_budget: int | None,
+    budget_period: str | None,
+    expires_at: str | None,
+    metadata: str | None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "name": name,
+        "models": models or None,
+        "rpm": rpm,
+        "tpm": tpm,
+        "max_concurrent": max_concurrent,
+        "token_budget": token_budget,
+        "budget_period": budget_period,
+        "expires_at": expires_at,
+    }
+    if metadata is not None:
+        try:
+            body["metadata"] = orjson.loads(metadata)
+        except orjson.JSONDecodeError:
+            _fail('--metadata must be a JSON object, e.g. \'{"team": "search"}\'')
+    return {k: v for k, v in body.items() if v is not None}
+
+
+Name = Annotated[str | None, typer.Option(help="A label for the key.")]
+Models = Annotated[
+    list[str] | None, typer.Option("--model", help="Allowed model id or wildcard (repeat). Default: all.")
+]
+Rpm = Annotated[int | None, typer.Option(help="Requests per minute.")]
+Tpm = Annotated[int | None, typer.Option(help="Tokens per minute.")]
+MaxConcurrent = Annotated[int | None, typer.Option(help="Requests in flight at once.")]
+TokenBudget = Annotated[int | None, typer.Option(help="Prompt + completion tokens allowed (per budget period).")]
+BudgetPeriod = Annotated[str | None, typer.Option(help="total, day or month.")]
+ExpiresAt = Annotated[str | None, typer.Option(help="RFC 3339 time, e.g. 2030-01-01T00:00:00Z.")]
+Metadata = Annotated[str | None, typer.Option(help="JSON object stored with the key.")]
+
+
+def _print_usage(data: dict[str, Any], rows: list[dict[str, Any]], *, is_totals: bool, as_json: bool) -> None:
+    if as_json:
+        typer.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
+        return
+    columns: tuple[str, ...] = ("date", "model", "requests", "prompt_tokens", "completion_tokens", "total_tokens")
+    if is_totals:
+        columns = columns[1:]
+    table = Table(*columns)
+    for row in rows:
+        table.add_row(*(_cell(row.get(column)) for column in columns))
+    _console().print(table)
+    if is_totals:
+        _console().print(
+            f"total: {data['requests']} requests, {data['total_tokens']} tokens over {data['num_keys']} keys",
+            highlight=False,
+        )
+
+
+@keys_app.command("create")
+def create(
+    name: Name = None,
+    model: Models = None,
+    rpm: Rpm = None,
+    tpm: Tpm = None,
+    max_concurrent: MaxConcurrent = None,
+    token_budget: TokenBudget = None,
+    budget_period: BudgetPeriod = None,
+    expires_at: ExpiresAt = None,
+    metadata: Metadata = None,
+    base_url: BaseUrl = _DEFAULT_BASE_URL,
+    master_key: MasterKey = None,
+    as_json: AsJson = False,
+) -> None:
+    """Create a key; its secret is printed this once."""
+    body = _limits_body(name, model, rpm, tpm, max_concurrent, token_budget, budget_period, expires_at, metadata)
+    _print_record(_call("POST", base_url, master_key, "/admin/keys", json=body), as_json)
+
+
+@keys_app.command("list")
+def list_(
+    limit: Annotated[int, typer.Option(help="Keys per page.")] = 50,
+    after: Annotated[str | None, typer.Option(help="Start after this key id.")] = None,
+    base_url: BaseUrl = _DEFAULT_BASE_URL,
+    master_key: MasterKey = None,
+    as_json: AsJson = False,
+) -> None:
+    """List keys (never their secrets)."""
+    params: dict[str, Any] = {"limit": limit} | ({"after": after} if after else {})
+    page = _call("GET", base_url, master_key, "/admin/keys", params=params)
+    if as_json:
+        typer.echo(orjson.dumps(page, option=orjson.OPT_INDENT_2).decode())
+        return
+    table = Table(*_RECORD_COLUMNS)
+    for record in page["data"]:
+        table.add_row(*(_cell(record.get(column)) for column in _RECORD_COLUMNS))
+    _console().print(table)
+    if page.get("has_more"):
+        _console().print(f"more: unigate keys list --after {page['last_id']}", highlight=False)
+
+
+@keys_app.command("show")
+def show(
+    key_id: str, base_url: BaseUrl = _DEFAULT_BASE_URL, master_key: MasterKey = None, as_json: AsJson = False
+) -> None:
+    """Show one key."""
+    _print_record(_call("GET", base_url, master_key, f"/admin/keys/{key_id}"), as_json)
+
+
+@keys_app.command("update")
+def update(
+    key_id: str,
+    name: Name = None,
+    model: Models = None,
+    rpm: Rpm = None,
+    tpm: Tpm = None,
+    max_concurrent: MaxConcurrent = None,
+    token_budget: TokenBudget = None,
+    budget_period: BudgetPeriod = None,
+    expires_at: ExpiresAt = None,
+    metadata: Metadata = None,
+    unset: Annotated[
+        list[str] | None, typer.Option(help="Remove a limit: rpm, tpm, max_concurrent, token_budget, expires_at.")
+    ] = None,
+    base_url: BaseUrl = _DEFAULT_BASE_URL,
+    master_key: MasterKey = None,
+    as_json: AsJson = False,
+) -> None:
+    """Change a key's name, models, limits, budget or expiry."""
+    body = _limits_body(name, model, rpm, tpm, max_concurrent, token_budget, budget_period, expires_at, metadata)
+    body.update(dict.fromkeys(unset or []))
+    if not body:
+        _fail("nothing to change: pass at least one option")
+    _print_record(_call("PATCH", base_url, master_key, f"/admin/keys/{key_id}", json=body), as_json)
+
+
+@keys_app.command("rotate")
+def rotate(
+    key_id: str, base_url: BaseUrl = _DEFAULT_BASE_URL, master_key: MasterKey = None, as_json: AsJson = False
+) -> None:
+    """Issue a new secret for the same key; the old one stops working now."""
+    _print_record(_call("POST", base_url, master_key, f"/admin/keys/{key_id}/rotate"), as_json)
+
+
+@keys_app.command("revoke")
+def revoke(
+    key_id: str, base_url: BaseUrl = _DEFAULT_BASE_URL, master_key: MasterKey = None, as_json: AsJson = False
+) -> None:
+    """Revoke a key (it answers 401 key_revoked from now on)."""
+    _print_record(_call("DELETE", base_url, master_key, f"/admin/keys/{key_id}"), as_json)
+
+
+@keys_app.command("usage")
+def usage(
+    key_id: Annotated[str | None, typer.Argument(help="A key id; omit for totals over all keys.")] = None,
+    days: Annotated[int | None, typer.Option(help="Only the last N days.")] = None,
+    base_url: BaseUrl = _DEFAULT_BASE_URL,
+    master_key: MasterKey = None,
+    as_json: AsJson = False,
+) -> None:
+    """Requests and tokens per model per day for a key, or totals for the gateway."""
+    if key_id is None:
+        data = _call("GET", base_url, master_key, "/admin/usage")
+        rows = data["by_model"]
+    else:
+        params = {"days": days} if days else {}
+        data = _call("GET", base_url, master_key, f"/admin/keys/{key_id}/usage", params=params)
+        rows = data["data"]
+    _print_usage(data, rows, is_totals=key_id is None, as_json=as_json)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `keys` command group to the `unigate` CLI."""
+    app.add_typer(keys_app, name="keys")

@@ -1,0 +1,169 @@
+-- admit_request: verify a key and apply all of its limits atomically, in the one round trip of the hot path.
+--
+-- KEYS[1]  ug:{id}:key       hash   the key record
+-- KEYS[2]  ug:{id}:rpm       zset   request log: member request id, score admit time (ms)
+-- KEYS[3]  ug:{id}:tpm       zset   token log: member "<request id>|<tokens>", score reservation time (ms)
+-- KEYS[4]  ug:{id}:tpm_sum   string tokens currently in KEYS[3]
+-- KEYS[5]  ug:{id}:leases    zset   concurrency leases: member request id, score expiry (ms)
+-- ARGV[1]  hex SHA-256 of the presented secret (must equal the record's key_hash: a rotated key stops here)
+-- ARGV[2]  model id
+-- ARGV[3]  estimated tokens to reserve (prompt estimate + max_tokens)
+-- ARGV[4]  request id (rate-log member, lease member, settle marker)
+-- ARGV[5]  lease ttl (ms)
+-- ARGV[6]  rate window (ms; 60000 for per-minute limits)
+-- ARGV[7]  the caller's cached record version ("" when it has none)
+--
+-- Returns {status, version, record, rpm_limit, rpm_remaining, rpm_reset_ms, tpm_limit, tpm_remaining,
+--          tpm_reset_ms, retry_after_ms}
+--   status: "ok" | "invalid_api_key" | "key_revoked" | "key_expired" | "model_not_allowed" | "budget_exceeded"
+--           | "concurrency_limit_exceeded" | "rate_limit_exceeded" | "tokens_limit_exceeded"
+--   record: the record as a flat HGETALL list when ARGV[7] differs from its version, else {} (cache refresh)
+--   limits are -1 when the key has none; remaining counts are after this request; all times in ms.
+--
+-- Algorithm: sliding-window log for RPM and TPM. It is exact: no rolling window of ARGV[6] ms ever holds more
+-- than the limit, so there is no 2x burst at a fixed-window edge. GCRA would also be exact for the rate but
+-- lets `burst + rate` through in the first window when burst = limit (or refuses OpenAI-style bursts when it is
+-- small). The log costs one zset entry per request in the window, which per-minute limits keep small; the token
+-- log keeps a running sum so admission does not re-add the window.
+
+local record_key, rpm_key, tpm_key, tpm_sum_key, leases_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local key_hash, model, estimate, request_id = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local lease_ttl, window, cached_version = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
+
+local fields = redis.call('HMGET', record_key, 'key_hash', 'revoked', 'expires_at', 'models', 'rpm', 'tpm',
+  'max_concurrent', 'token_budget', 'budget_period', 'period_key', 'period_spent', 'tokens_spent', 'version')
+if not fields[1] or fields[1] ~= key_hash then
+  return {'invalid_api_key', 0, {}, -1, -1, 0, -1, -1, 0, 0}
+end
+
+local function limit_of(value)
+  local n = tonumber(value)
+  if n == nil or n < 0 then return -1 end
+  return n
+end
+
+local now = now_ms()
+local version = tonumber(fields[13]) or 0
+local record = {}
+if cached_version ~= tostring(version) then
+  record = redis.call('HGETALL', record_key)
+end
+local rpm, tpm, max_concurrent = limit_of(fields[5]), limit_of(fields[6]), limit_of(fields[7])
+local budget = limit_of(fields[8])
+
+local function reject(status, retry_after)
+  return {status, version, record, rpm, -1, 0, tpm, -1, 0, retry_after}
+end
+
+if fields[2] == '1' then return reject('key_revoked', 0) end
+local expires_at = tonumber(fields[3])
+if expires_at and expires_at <= now then return reject('key_expired', 0) end
+
+-- Model allowlist: exact ids or glob patterns with * and ? (the admin API refuses other glob syntax, so this
+-- matcher and Python's fnmatch agree).
+local models = cjson.decode(fields[4] or '[]')
+if #models > 0 then
+  local allowed = false
+  for _, pattern in ipairs(models) do
+    if pattern == model then allowed = true break end
+    local lua_pattern = pattern:gsub('[%^%$%(%)%%%.%[%]%+%-]', '%%%0'):gsub('%*', '.*'):gsub('%?', '.')
+    if string.match(model, '^' .. lua_pattern .. '$') then allowed = true break end
+  end
+  if not allowed then return reject('model_not_allowed', 0) end
+end
+
+-- Budget: refuse once spent (in the current period when the budget has one) reaches the budget.
+if budget >= 0 then
+  local period, period_left = period_of(fields[9] or 'total', now)
+  local spent
+  if period == '' then
+    spent = tonumber(fields[12]) or 0
+  elseif fields[10] == period then
+    spent = tonumber(fields[11]) or 0
+  else
+    spent = 0
+  end
+  if spent >= budget then return reject('budget_exceeded', period_left) end
+end
+
+-- Concurrency: expired leases belong to crashed or stuck requests; drop them before counting.
+if max_concurrent >= 0 then
+  redis.call('ZREMRANGEBYSCORE', leases_key, '-inf', now)
+  if redis.call('ZCARD', leases_key) >= max_concurrent then
+    return reject('concurrency_limit_exceeded', 1000)
+  end
+end
+
+local cutoff = now - window
+local num_requests, rpm_reset = 0, 0
+if rpm >= 0 then
+  redis.call('ZREMRANGEBYSCORE', rpm_key, '-inf', cutoff)
+  num_requests = redis.call('ZCARD', rpm_key)
+  if num_requests >= rpm then
+    -- The (n - rpm + 1)-th oldest entry must leave the window before one more request fits.
+    local retry_after = window
+    if rpm > 0 then
+      local entry = redis.call('ZRANGE', rpm_key, num_requests - rpm, num_requests - rpm, 'WITHSCORES')
+      retry_after = tonumber(entry[2]) + window - now
+    end
+    return reject('rate_limit_exceeded', retry_after)
+  end
+end
+
+local num_tokens, tpm_reset = 0, 0
+if tpm >= 0 then
+  local expired = redis.call('ZRANGEBYSCORE', tpm_key, '-inf', cutoff)
+  if #expired > 0 then
+    local num_expired = 0
+    for _, member in ipairs(expired) do
+      num_expired = num_expired + tonumber(string.match(member, '|(%d+)$'))
+    end
+    redis.call('ZREMRANGEBYSCORE', tpm_key, '-inf', cutoff)
+    redis.call('DECRBY', tpm_sum_key, num_expired)
+  end
+  num_tokens = tonumber(redis.call('GET', tpm_sum_key)) or 0
+  if num_tokens + estimate > tpm then
+    local retry_after = window
+    if estimate <= tpm then
+      local entries = redis.call('ZRANGE', tpm_key, 0, -1, 'WITHSCORES')
+      local num_freed = 0
+      for i = 1, #entries, 2 do
+        num_freed = num_freed + tonumber(string.match(entries[i], '|(%d+)$'))
+        if num_tokens - num_freed + estimate <= tpm then
+          retry_after = tonumber(entries[i + 1]) + window - now
+          break
+        end
+      end
+    end
+    return reject('tokens_limit_exceeded', retry_after)
+  end
+end
+
+-- Every check passed: record the request, reserve its tokens, take a lease.
+if rpm >= 0 then
+  redis.call('ZADD', rpm_key, now, request_id)
+  redis.call('PEXPIRE', rpm_key, window)
+  num_requests = num_requests + 1
+  local oldest = redis.call('ZRANGE', rpm_key, 0, 0, 'WITHSCORES')
+  rpm_reset = tonumber(oldest[2]) + window - now
+end
+if tpm >= 0 then
+  if estimate > 0 then
+    redis.call('ZADD', tpm_key, now, request_id .. '|' .. estimate)
+    redis.call('INCRBY', tpm_sum_key, estimate)
+  end
+  num_tokens = num_tokens + estimate
+  redis.call('PEXPIRE', tpm_key, window)
+  redis.call('PEXPIRE', tpm_sum_key, window)
+  local oldest_tokens = redis.call('ZRANGE', tpm_key, 0, 0, 'WITHSCORES')
+  if #oldest_tokens > 0 then tpm_reset = tonumber(oldest_tokens[2]) + window - now end
+end
+if max_concurrent >= 0 then
+  redis.call('ZADD', leases_key, now + lease_ttl, request_id)
+  redis.call('PEXPIRE', leases_key, lease_ttl)
+end
+
+local rpm_remaining, tpm_remaining = -1, -1
+if rpm >= 0 then rpm_remaining = rpm - num_requests end
+if tpm >= 0 then tpm_remaining = math.max(tpm - num_tokens, 0) end
+return {'ok', version, record, rpm, rpm_remaining, rpm_reset, tpm, tpm_remaining, tpm_reset, 0}

@@ -1,0 +1,121 @@
+"""Every Redis key name unigate uses, built here and nowhere else, under one prefix.
+
+Per-key state shares the hash tag `{<key id>}` and per-deployment state the tag `{up:<deployment>}`, so each Lua
+script only touches keys of one Redis Cluster slot. Scripts that derive a name (a per-day usage hash, a waiter's
+wake-up list) build it from a `*_prefix` below, which carries the same tag.
+
+    ug:keyhash:<sha256>              string  → key id (lookup by hash; never the secret)
+    ug:keys                          zset    key ids scored by creation time (ms), for listing
+    ug:{<id>}:key                    hash    the key record and its lifetime counters
+    ug:{<id>}:rpm                    zset    sliding request log: member request id, score admit time (ms)
+    ug:{<id>}:tpm                    zset    sliding token log: member "<request id>|<tokens>", score time (ms)
+    ug:{<id>}:tpm_sum                string  tokens currently in ug:{<id>}:tpm
+    ug:{<id>}:leases                 zset    concurrency leases: member request id, score expiry (ms)
+    ug:{<id>}:settled:<request id>   string  settle idempotency marker
+    ug:{<id>}:usage:<YYYY-MM-DD>     hash    "<model>|requests|prompt_tokens|completion_tokens" for one UTC day
+    ug:{<id>}:usage_days             zset    days with usage (member date, score day number)
+    ug:{<id>}:usage_total            hash    lifetime per-model counters
+    ug:{up:<deployment>}:leases      zset    upstream in-flight leases: member lease id, score expiry (ms)
+    ug:{up:<deployment>}:queue       list    FIFO of waiters "<lease id>|<deadline ms>"
+    ug:{up:<deployment>}:max         string  the deployment's max_in_flight, for hand-off on release
+    ug:{up:<deployment>}:wake:<id>   list    a waiter's wake-up list (BLPOP)
+    ug:events                        pubsub  key-record changes: "<key id>" → drop cached copies
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EVENTS_CHANNEL",
+    "KEY_INDEX",
+    "KEY_SEQUENCE",
+    "MASTER_ID",
+    "PREFIX",
+    "key_hash_name",
+    "key_leases",
+    "key_prefix",
+    "key_record",
+    "key_rpm_log",
+    "key_settled",
+    "key_tpm_log",
+    "key_tpm_sum",
+    "key_usage_day",
+    "key_usage_days",
+    "key_usage_total",
+    "upstream_leases",
+    "upstream_max",
+    "upstream_prefix",
+    "upstream_queue",
+    "upstream_wake",
+]
+
+PREFIX = "ug:"
+KEY_INDEX = PREFIX + "keys"
+KEY_SEQUENCE = PREFIX + "keys:seq"  # creation counter: the KEY_INDEX score
+EVENTS_CHANNEL = PREFIX + "events"
+MASTER_ID = "master"  # usage of the master key is recorded under this pseudo id
+
+
+def key_hash_name(key_hash: str) -> str:
+    return f"{PREFIX}keyhash:{key_hash}"
+
+
+def key_prefix(key_id: str) -> str:
+    return f"{PREFIX}{{{key_id}}}:"
+
+
+def key_record(key_id: str) -> str:
+    return key_prefix(key_id) + "key"
+
+
+def key_rpm_log(key_id: str) -> str:
+    return key_prefix(key_id) + "rpm"
+
+
+def key_tpm_log(key_id: str) -> str:
+    return key_prefix(key_id) + "tpm"
+
+
+def key_tpm_sum(key_id: str) -> str:
+    return key_prefix(key_id) + "tpm_sum"
+
+
+def key_leases(key_id: str) -> str:
+    return key_prefix(key_id) + "leases"
+
+
+def key_settled(key_id: str, request_id: str) -> str:
+    return key_prefix(key_id) + f"settled:{request_id}"
+
+
+def key_usage_day(key_id: str, day: str) -> str:
+    return key_prefix(key_id) + f"usage:{day}"
+
+
+def key_usage_days(key_id: str) -> str:
+    return key_prefix(key_id) + "usage_days"
+
+
+def key_usage_total(key_id: str) -> str:
+    return key_prefix(key_id) + "usage_total"
+
+
+def upstream_prefix(deployment: str) -> str:
+    # Braces inside the name would end the hash tag early and split one deployment's keys across slots.
+    safe = deployment.replace("{", "(").replace("}", ")")
+    return f"{PREFIX}{{up:{safe}}}:"
+
+
+def upstream_leases(deployment: str) -> str:
+    return upstream_prefix(deployment) + "leases"
+
+
+def upstream_queue(deployment: str) -> str:
+    return upstream_prefix(deployment) + "queue"
+
+
+def upstream_max(deployment: str) -> str:
+    return upstream_prefix(deployment) + "max"
+
+
+def upstream_wake(deployment: str, lease_id: str) -> str:
+    return upstream_prefix(deployment) + f"wake:{lease_id}"

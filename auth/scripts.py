@@ -1,0 +1,225 @@
+"""The Lua scripts under auth/lua/, each behind one typed wrapper.
+
+Scripts are read from the package (shipped as package data), registered once with SCRIPT LOAD, and called by
+SHA; a Redis that restarted or was flushed answers NOSCRIPT, and the call registers the script again and retries
+once. Every Redis failure leaves this module (and `store`, `access`) as `StorageError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import NoScriptError, RedisError
+
+from auth import redis_names
+from gateway.errors import UnavailableError
+
+__all__ = [
+    "AdmitReply",
+    "LuaScript",
+    "StorageError",
+    "acquire_upstream",
+    "admit_request",
+    "as_text",
+    "register_all",
+    "release_upstream",
+    "settle_request",
+    "storage_errors",
+    "update_key",
+]
+
+
+class StorageError(UnavailableError):
+    """Redis could not be reached or answered with an error (never carries the server address)."""
+
+    code = "storage_unavailable"
+
+
+@asynccontextmanager
+async def storage_errors() -> AsyncIterator[None]:
+    """Translate every Redis/socket failure inside the block into `StorageError`."""
+    try:
+        yield
+    except (TimeoutError, RedisError, OSError) as exc:
+        raise StorageError(
+            f"The key store (Redis) is unavailable ({type(exc).__name__}). Retry shortly; if it persists, check "
+            "that Redis is running and reachable from the gateway.",
+            headers={"retry-after": "1"},
+        ) from exc
+
+
+_LUA_DIR = Path(__file__).parent / "lua"  # shipped as package data (pyproject: auth = ["lua/*.lua"])
+
+
+def _read_lua(name: str) -> str:
+    return (_LUA_DIR / name).read_text(encoding="utf-8")
+
+
+class LuaScript:
+    """One script: its source (the shared calendar prelude + the file), its SHA, and NOSCRIPT recovery."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.source = _read_lua("_calendar.lua") + "\n" + _read_lua(f"{name}.lua")
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+
+    async def register(self, redis: Redis) -> None:
+        async with storage_errors():
+            await redis.script_load(self.source)
+
+    async def __call__(self, redis: Redis, keys: Sequence[str], args: Sequence[str | int | float]) -> Any:
+        async with storage_errors():
+            try:
+                return await redis.evalsha(self.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                await redis.script_load(self.source)
+                return await redis.evalsha(self.sha, len(keys), *keys, *args)
+
+
+_ADMIT = LuaScript("admit_request")
+_SETTLE = LuaScript("settle_request")
+_ACQUIRE = LuaScript("acquire_upstream")
+_RELEASE = LuaScript("release_upstream")
+_UPDATE = LuaScript("update_key")
+ALL_SCRIPTS = (_ADMIT, _SETTLE, _ACQUIRE, _RELEASE, _UPDATE)
+
+
+async def register_all(redis: Redis) -> None:
+    for script in ALL_SCRIPTS:
+        await script.register(redis)
+
+
+def as_text(value: Any) -> str:
+    """A Redis reply item as str (the client may hand back bytes)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitReply:
+    status: str
+    version: int
+    record: dict[str, str]  # empty unless the caller's cached version was stale
+    rpm_limit: int  # -1 = no limit
+    rpm_remaining: int
+    rpm_reset_ms: int
+    tpm_limit: int
+    tpm_remaining: int
+    tpm_reset_ms: int
+    retry_after_ms: int
+
+
+async def admit_request(
+    redis: Redis,
+    *,
+    key_id: str,
+    key_hash: str,
+    model: str,
+    estimated_tokens: int,
+    request_id: str,
+    lease_ttl_ms: int,
+    window_ms: int,
+    cached_version: int | None,
+) -> AdmitReply:
+    keys = (
+        redis_names.key_record(key_id),
+        redis_names.key_rpm_log(key_id),
+        redis_names.key_tpm_log(key_id),
+        redis_names.key_tpm_sum(key_id),
+        redis_names.key_leases(key_id),
+    )
+    version = "" if cached_version is None else str(cached_version)
+    args = (key_hash, model, max(estimated_tokens, 0), request_id, lease_ttl_ms, window_ms, version)
+    reply = await _ADMIT(redis, keys, args)
+    flat = [as_text(item) for item in reply[2]]
+    return AdmitReply(
+        status=as_text(reply[0]),
+        version=int(reply[1]),
+        record=dict(zip(flat[::2], flat[1::2], strict=True)),
+        rpm_limit=int(reply[3]),
+        rpm_remaining=int(reply[4]),
+        rpm_reset_ms=int(reply[5]),
+        tpm_limit=int(reply[6]),
+        tpm_remaining=int(reply[7]),
+        tpm_reset_ms=int(reply[8]),
+        retry_after_ms=int(reply[9]),
+    )
+
+
+async def settle_request(
+    redis: Redis,
+    *,
+    key_id: str,
+    request_id: str,
+    reserved_tokens: int,
+    prompt_tokens: int,
+    completion_tokens: int,
+    model: str,
+    window_ms: int,
+    marker_ttl_ms: int,
+    usage_retention_s: int,
+) -> bool:
+    keys = (
+        redis_names.key_record(key_id),
+        redis_names.key_tpm_log(key_id),
+        redis_names.key_tpm_sum(key_id),
+        redis_names.key_leases(key_id),
+        redis_names.key_usage_total(key_id),
+        redis_names.key_usage_days(key_id),
+        redis_names.key_settled(key_id, request_id),
+    )
+    args = (
+        request_id,
+        max(reserved_tokens, 0),
+        max(prompt_tokens, 0),
+        max(completion_tokens, 0),
+        model,
+        redis_names.key_prefix(key_id),
+        window_ms,
+        marker_ttl_ms,
+        usage_retention_s,
+    )
+    return bool(await _SETTLE(redis, keys, args))
+
+
+def _upstream_keys(deployment: str) -> tuple[str, str, str]:
+    return (
+        redis_names.upstream_leases(deployment),
+        redis_names.upstream_queue(deployment),
+        redis_names.upstream_max(deployment),
+    )
+
+
+async def acquire_upstream(
+    redis: Redis,
+    *,
+    deployment: str,
+    lease_id: str,
+    max_in_flight: int,
+    lease_ttl_ms: int,
+    wait_timeout_ms: int,
+    queue_entry: str,
+) -> tuple[bool, str]:
+    """(is_held, queue entry to pass back on the next call or on giving up)."""
+    args = (lease_id, max_in_flight, lease_ttl_ms, wait_timeout_ms, queue_entry)
+    reply = await _ACQUIRE(redis, _upstream_keys(deployment), args)
+    return bool(int(reply[0])), as_text(reply[1])
+
+
+async def release_upstream(
+    redis: Redis, *, deployment: str, lease_id: str, queue_entry: str, handoff_ttl_ms: int
+) -> int:
+    """Free the lease (and/or leave the queue); returns how many waiters were handed a slot."""
+    args = (lease_id, queue_entry, redis_names.upstream_prefix(deployment), handoff_ttl_ms)
+    return int(await _RELEASE(redis, _upstream_keys(deployment), args))
+
+
+async def update_key(redis: Redis, *, key_id: str, fields: dict[str, str]) -> int:
+    """Set `fields` on an existing record and bump its version; 0 when there is no such record."""
+    args = [item for pair in fields.items() for item in pair]
+    return int(await _UPDATE(redis, (redis_names.key_record(key_id),), args))

@@ -1,0 +1,326 @@
+"""`KeyStore`: key records in Redis — create, read, list, update, rotate, revoke — and their usage.
+
+A record is one hash (`redis_names.key_record`); the secret exists only in the return value of `create` and
+`rotate`, and at rest only as its SHA-256 (`ug:keyhash:<sha256>` → id). Every change bumps the record's version
+and is announced on `ug:events`, so gateway instances drop their cached copy at once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+from redis.asyncio import Redis
+
+from auth import redis_names, scripts
+from auth.keys import display_prefix, generate_key, hash_key, is_key_id, new_key_id
+from auth.scripts import as_text, storage_errors
+from gateway.errors import InvalidRequestError, NotFoundError
+
+__all__ = ["BudgetPeriod", "KeyPage", "KeyRecord", "KeyStore", "UsageRow", "UsageTotals", "period_key"]
+
+BudgetPeriod = Literal["total", "day", "month"]
+
+
+def period_key(budget_period: str, now_ms: int) -> str:
+    """The budget period containing `now_ms`, named as the Lua scripts name it ("" for a lifetime budget)."""
+    day = dt.datetime.fromtimestamp(now_ms / 1000, tz=dt.UTC)
+    if budget_period == "day":
+        return day.strftime("d:%Y-%m-%d")
+    if budget_period == "month":
+        return day.strftime("m:%Y-%m")
+    return ""
+
+
+def _optional_int(value: str | None) -> int | None:
+    return int(value) if value not in (None, "") else None
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    id: str
+    name: str
+    key_hash: str
+    key_prefix: str
+    created_at_ms: int
+    updated_at_ms: int | None
+    expires_at_ms: int | None
+    is_revoked: bool
+    revoked_at_ms: int | None
+    rotated_at_ms: int | None
+    last_used_at_ms: int | None
+    models: tuple[str, ...]
+    rpm: int | None
+    tpm: int | None
+    max_concurrent: int | None
+    token_budget: int | None
+    budget_period: str
+    tokens_spent: int
+    period_key: str
+    period_spent: int
+    num_requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    metadata: dict[str, Any]
+    version: int
+
+    @classmethod
+    def from_hash(cls, raw: Mapping[str, str]) -> KeyRecord:
+        return cls(
+            id=raw["id"],
+            name=raw.get("name", ""),
+            key_hash=raw.get("key_hash", ""),
+            key_prefix=raw.get("key_prefix", ""),
+            created_at_ms=int(raw.get("created_at") or 0),
+            updated_at_ms=_optional_int(raw.get("updated_at")),
+            expires_at_ms=_optional_int(raw.get("expires_at")),
+            is_revoked=raw.get("revoked") == "1",
+            revoked_at_ms=_optional_int(raw.get("revoked_at")),
+            rotated_at_ms=_optional_int(raw.get("rotated_at")),
+            last_used_at_ms=_optional_int(raw.get("last_used_at")),
+            models=tuple(orjson.loads(raw.get("models") or "[]")),
+            rpm=_optional_int(raw.get("rpm")),
+            tpm=_optional_int(raw.get("tpm")),
+            max_concurrent=_optional_int(raw.get("max_concurrent")),
+            token_budget=_optional_int(raw.get("token_budget")),
+            budget_period=raw.get("budget_period") or "total",
+            tokens_spent=int(raw.get("tokens_spent") or 0),
+            period_key=raw.get("period_key", ""),
+            period_spent=int(raw.get("period_spent") or 0),
+            num_requests=int(raw.get("num_requests") or 0),
+            prompt_tokens=int(raw.get("prompt_tokens") or 0),
+            completion_tokens=int(raw.get("completion_tokens") or 0),
+            metadata=orjson.loads(raw.get("metadata") or "{}"),
+            version=int(raw.get("version") or 0),
+        )
+
+    def budget_spent(self, now_ms: int) -> int:
+        """Tokens counted against the budget now: lifetime, or the current day/month."""
+        if self.budget_period == "total":
+            return self.tokens_spent
+        return self.period_spent if self.period_key == period_key(self.budget_period, now_ms) else 0
+
+    def is_expired(self, now_ms: int) -> bool:
+        return self.expires_at_ms is not None and self.expires_at_ms <= now_ms
+
+
+@dataclass(frozen=True, slots=True)
+class KeyPage:
+    records: list[KeyRecord]
+    has_more: bool
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRow:
+    date: str  # UTC day, YYYY-MM-DD ("" for lifetime totals)
+    model: str
+    num_requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(slots=True)
+class UsageTotals:
+    num_keys: int = 0
+    num_active_keys: int = 0
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    by_model: list[UsageRow] = field(default_factory=list)
+
+
+def encode_fields(values: Mapping[str, Any]) -> dict[str, str]:
+    """Record fields as Redis strings: None → "" (no limit / no expiry), lists and dicts as JSON."""
+    encoded: dict[str, str] = {}
+    for name, value in values.items():
+        if value is None:
+            encoded[name] = ""
+        elif isinstance(value, bool):
+            encoded[name] = "1" if value else "0"
+        elif isinstance(value, list | tuple | dict):
+            encoded[name] = orjson.dumps(value).decode()
+        else:
+            encoded[name] = str(value)
+    return encoded
+
+
+def _rows_from_hash(date: str, raw: Mapping[str, str]) -> list[UsageRow]:
+    per_model: dict[str, dict[str, int]] = {}
+    for name, value in raw.items():
+        model, _, counter = name.rpartition("|")
+        per_model.setdefault(model, {})[counter] = int(value)
+    return [
+        UsageRow(
+            date=date,
+            model=model,
+            num_requests=counters.get("requests", 0),
+            prompt_tokens=counters.get("prompt_tokens", 0),
+            completion_tokens=counters.get("completion_tokens", 0),
+        )
+        for model, counters in sorted(per_model.items())
+    ]
+
+
+class KeyStore:
+    """Key records over one Redis client (decoding is done here; the client may return bytes)."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+
+    async def now_ms(self) -> int:
+        """Redis' clock, the one every instance agrees on."""
+        async with storage_errors():
+            seconds, micros = await self.redis.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    async def _hgetall(self, name: str) -> dict[str, str]:
+        async with storage_errors():
+            raw = await self.redis.hgetall(name)
+        return {as_text(k): as_text(v) for k, v in raw.items()}
+
+    async def _announce(self, key_id: str) -> None:
+        async with storage_errors():
+            await self.redis.publish(redis_names.EVENTS_CHANNEL, key_id)
+
+    async def create(self, values: Mapping[str, Any]) -> tuple[KeyRecord, str]:
+        """A new key with the given (validated) fields; returns the record and the secret, shown this once."""
+        secret = generate_key()
+        key_id = new_key_id()
+        now = await self.now_ms()
+        record = encode_fields(values)
+        record.update(
+            id=key_id,
+            key_hash=hash_key(secret),
+            key_prefix=display_prefix(secret),
+            created_at=str(now),
+            revoked="0",
+            version="1",
+        )
+        async with storage_errors():
+            # Listing order = creation order: a counter, since several keys can share one millisecond.
+            position = await self.redis.incr(redis_names.KEY_SEQUENCE)
+        async with storage_errors(), self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(redis_names.key_record(key_id), mapping=record)  # type: ignore[arg-type]
+            pipe.set(redis_names.key_hash_name(record["key_hash"]), key_id)
+            pipe.zadd(redis_names.KEY_INDEX, {key_id: position})
+            await pipe.execute()
+        return KeyRecord.from_hash(record), secret
+
+    async def get(self, key_id: str) -> KeyRecord:
+        raw = await self._hgetall(redis_names.key_record(key_id)) if is_key_id(key_id) else {}
+        if "key_hash" not in raw:
+            raise NotFoundError(
+                f"No key with id '{key_id}'. List keys with `GET /admin/keys` (or `unigate keys list`).",
+                code="key_not_found",
+            )
+        return KeyRecord.from_hash(raw)
+
+    async def find_id(self, key_hash: str) -> str | None:
+        async with storage_errors():
+            key_id = await self.redis.get(redis_names.key_hash_name(key_hash))
+        return as_text(key_id) if key_id is not None else None
+
+    async def find_by_secret(self, secret: str) -> KeyRecord | None:
+        """The record whose current secret is `secret` (by hash), or None."""
+        key_hash = hash_key(secret)
+        key_id = await self.find_id(key_hash)
+        if key_id is None:
+            return None
+        raw = await self._hgetall(redis_names.key_record(key_id))
+        return KeyRecord.from_hash(raw) if raw.get("key_hash") == key_hash else None
+
+    async def list_keys(self, *, limit: int, after: str | None = None) -> KeyPage:
+        """Keys in creation order, `limit` at a time, starting after the key `after`."""
+        async with storage_errors():
+            start = 0
+            if after is not None:
+                rank = await self.redis.zrank(redis_names.KEY_INDEX, after)
+                if rank is None:
+                    raise InvalidRequestError(
+                        f"Unknown cursor 'after={after}': pass the id of a key from the previous page.",
+                        param="after",
+                    )
+                start = int(as_text(rank)) + 1
+            ids = await self.redis.zrange(redis_names.KEY_INDEX, start, start + limit)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for key_id in ids[:limit]:
+                    pipe.hgetall(redis_names.key_record(as_text(key_id)))
+                raws = await pipe.execute()
+        records = [KeyRecord.from_hash({as_text(k): as_text(v) for k, v in raw.items()}) for raw in raws if raw]
+        return KeyPage(records=records, has_more=len(ids) > limit)
+
+    async def update(self, key_id: str, values: Mapping[str, Any]) -> KeyRecord:
+        """Change fields (None clears a limit or the expiry); the new version reaches every cache at once."""
+        if not is_key_id(key_id) or not await scripts.update_key(
+            self.redis, key_id=key_id, fields=encode_fields(values)
+        ):
+            await self.get(key_id)  # raises key_not_found
+        await self._announce(key_id)
+        return await self.get(key_id)
+
+    async def revoke(self, key_id: str) -> KeyRecord:
+        """Mark the key revoked (kept for its usage history; its secret answers `key_revoked` from now on)."""
+        record = await self.get(key_id)
+        if record.is_revoked:
+            return record
+        return await self.update(key_id, {"revoked": True, "revoked_at": await self.now_ms()})
+
+    async def rotate(self, key_id: str) -> tuple[KeyRecord, str]:
+        """A new secret for the same id and settings; the old secret stops working immediately."""
+        record = await self.get(key_id)
+        if record.is_revoked:
+            raise InvalidRequestError(
+                f"Key '{key_id}' is revoked and cannot be rotated. Create a new key instead.", code="key_revoked"
+            )
+        secret = generate_key()
+        new_hash = hash_key(secret)
+        async with storage_errors():
+            await self.redis.set(redis_names.key_hash_name(new_hash), key_id)
+        # The record's key_hash is what admission compares, so this one write is the moment the old secret dies.
+        fields = {"key_hash": new_hash, "key_prefix": display_prefix(secret), "rotated_at": await self.now_ms()}
+        rotated = await self.update(key_id, fields)
+        async with storage_errors():
+            await self.redis.delete(redis_names.key_hash_name(record.key_hash))
+        return rotated, secret
+
+    async def usage(self, key_id: str, *, num_days: int | None = None) -> list[UsageRow]:
+        """Requests and tokens per model per UTC day, oldest first (the last `num_days` days when given)."""
+        await self.get(key_id)
+        low: float | str = "-inf"
+        if num_days is not None:
+            low = (await self.now_ms()) // 86_400_000 - num_days + 1
+        async with storage_errors():
+            days = await self.redis.zrangebyscore(redis_names.key_usage_days(key_id), low, "+inf")
+        rows: list[UsageRow] = []
+        for day in days:
+            date = as_text(day)
+            rows += _rows_from_hash(date, await self._hgetall(redis_names.key_usage_day(key_id, date)))
+        return rows
+
+    async def totals(self) -> UsageTotals:
+        """Lifetime totals over every key (and the master key), with a per-model breakdown."""
+        async with storage_errors():
+            ids = [as_text(raw) for raw in await self.redis.zrange(redis_names.KEY_INDEX, 0, -1)]
+        now = await self.now_ms()
+        totals = UsageTotals()
+        per_model: dict[str, list[int]] = {}
+        for key_id in [*ids, redis_names.MASTER_ID]:
+            raw = await self._hgetall(redis_names.key_record(key_id))
+            if key_id != redis_names.MASTER_ID and "key_hash" in raw:
+                record = KeyRecord.from_hash(raw)
+                totals.num_keys += 1
+                totals.num_active_keys += int(not record.is_revoked and not record.is_expired(now))
+            for row in _rows_from_hash("", await self._hgetall(redis_names.key_usage_total(key_id))):
+                counters = per_model.setdefault(row.model, [0, 0, 0])
+                counters[0] += row.num_requests
+                counters[1] += row.prompt_tokens
+                counters[2] += row.completion_tokens
+        for model, (num_requests, prompt_tokens, completion_tokens) in sorted(per_model.items()):
+            totals.by_model.append(UsageRow("", model, num_requests, prompt_tokens, completion_tokens))
+            totals.num_requests += num_requests
+            totals.prompt_tokens += prompt_tokens
+            totals.completion_tokens += completion_tokens
+        return totals

@@ -1,0 +1,311 @@
+"""An OpenAI-compatible upstream over one pooled aiohttp `ClientSession` (HTTP/1.1, keep-alive, explicit limits).
+
+Why aiohttp and not httpx: measured on the 2-core benchmark box against the same fake upstream, httpx 0.28's
+pool collapses under concurrency (~2,100 req/s at c=1, ~300 req/s at c=32), httpx over an aiohttp transport
+reaches ~3,600 req/s, and aiohttp alone ~11,000-14,000 req/s (see docs/gateway.md, "Benchmark").
+
+Every client exception and every upstream failure status is translated to a `gateway.errors` type here, at the
+boundary (the way httpx maps httpcore's exceptions). Messages never carry the upstream key or the base_url host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import orjson
+from multidict import CIMultiDictProxy
+
+from backends.base import Endpoint, Json
+from gateway.errors import (
+    BackendError,
+    GatewayError,
+    InvalidRequestError,
+    UpstreamRateLimitedError,
+    UpstreamTimeoutError,
+)
+from gateway.normalize import malformed
+from gateway.settings import Settings
+from gateway.sse import SSEDecoder
+
+__all__ = ["OpenAIBackend"]
+
+_NATIVE: frozenset[str] = frozenset({"chat/completions", "completions", "embeddings"})
+_KEY_PATTERN = re.compile(r"(sk|key|token)[-_][A-Za-z0-9_\-*.]{6,}", re.IGNORECASE)
+_MAX_MESSAGE = 300
+_HEALTH_TIMEOUT_S = 3.0
+
+
+class OpenAIBackend:
+    """One `type: openai` deployment. `name` is the deployment's stable id (never a hostname)."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        base_url: str,
+        api_key: str | None,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 600.0,
+        max_connections: int = 100,
+        keepalive_s: float = 30.0,
+        native_responses: bool = False,
+    ) -> None:
+        self.name = name
+        self._native = _NATIVE | {"responses"} if native_responses else _NATIVE
+        self.timeout_s = timeout_s
+        self._base_url = base_url.rstrip("/") + "/"
+        self._headers = {"content-type": "application/json"}
+        if api_key:
+            self._headers["authorization"] = f"Bearer {api_key}"
+        self._secrets = [s for s in (api_key, urlsplit(base_url).hostname) if s]
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, connect=connect_timeout_s, sock_read=min(read_timeout_s, timeout_s)
+        )
+        self._max_connections = max_connections
+        self._keepalive_s = keepalive_s
+        self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def from_config(cls, deployment: Any, settings: Settings) -> OpenAIBackend:
+        return cls(
+            deployment.name,
+            base_url=deployment.base_url,
+            api_key=deployment.api_key,
+            timeout_s=deployment.timeout_s or settings.request_timeout_s,
+            connect_timeout_s=deployment.connect_timeout_s or settings.connect_timeout_s,
+            read_timeout_s=settings.read_timeout_s,
+            max_connections=deployment.max_connections,
+            native_responses=getattr(deployment, "native_responses", False),
+        )
+
+    def supports(self, endpoint: Endpoint) -> bool:
+        return endpoint in self._native
+
+    def _client(self) -> aiohttp.ClientSession:
+        # Created on first use, inside the serving event loop (aiohttp binds a session to its loop).
+        if self._session is None:
+            connector = aiohttp.TCPConnector(
+                limit=self._max_connections, limit_per_host=0, keepalive_timeout=self._keepalive_s
+            )
+            self._session = aiohttp.ClientSession(
+                self._base_url, connector=connector, headers=self._headers, timeout=self._timeout
+            )
+        return self._session
+
+    async def send(self, endpoint: Endpoint, body: Json, *, request_id: str) -> Json:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                async with self._client().post(
+                    endpoint, data=orjson.dumps(body), headers={"x-request-id": request_id}
+                ) as response:
+                    content = await response.read()
+        except TimeoutError:
+            raise self._timeout_error() from None
+        except aiohttp.ClientError as exc:
+            raise self._map_exception(exc) from None
+        if response.status >= 300:
+            raise self._status_error(response.status, content, response.headers)
+        return self._parse_json(content, response.headers.get("content-type", ""))
+
+    async def stream(self, endpoint: Endpoint, body: Json, *, request_id: str) -> AsyncIterator[Json]:
+        headers = {"x-request-id": request_id, "accept": "text/event-stream"}
+        try:
+            async with asyncio.timeout(self.timeout_s):  # the deadline for the response headers
+                response = await self._client().post(endpoint, data=orjson.dumps(body), headers=headers)
+        except TimeoutError:
+            raise self._timeout_error() from None
+        except aiohttp.ClientError as exc:
+            raise self._map_exception(exc) from None
+        is_complete = False
+        try:
+            content_type = response.headers.get("content-type", "")
+            if response.status >= 300:
+                raise self._status_error(response.status, await self._read(response), response.headers)
+            if not content_type.startswith("text/event-stream"):
+                # Some servers ignore `stream: true` or answer with an HTML/JSON page and status 200.
+                data = self._parse_json(await self._read(response), content_type)
+                raise malformed(f"expected an event stream but got a JSON object with keys {sorted(data)[:5]}")
+            async for chunk in self._events(response):
+                yield chunk
+            is_complete = True
+        finally:
+            if is_complete:
+                response.release()
+            else:
+                response.close()  # drop the connection so the upstream stops generating at once
+
+    async def _events(self, response: aiohttp.ClientResponse) -> AsyncIterator[Json]:
+        decoder = SSEDecoder()
+        has_finished = False
+        try:
+            async for raw in response.content.iter_any():
+                for _, data in decoder.feed(raw):
+                    if data == b"[DONE]":
+                        return
+                    chunk = self._parse_chunk(data)
+                    has_finished = has_finished or _has_finish_reason(chunk)
+                    yield chunk
+        except TimeoutError:
+            raise self._timeout_error() from None
+        except aiohttp.ClientError as exc:
+            raise self._map_exception(exc, is_mid_stream=True) from None
+        for _, data in decoder.flush():
+            if data == b"[DONE]":
+                return
+            yield self._parse_chunk(data)
+        if not has_finished:
+            raise BackendError(
+                "The upstream stream ended before it finished (no finish_reason and no [DONE]); the output above "
+                "is incomplete. Retry the request.",
+                code="upstream_error",
+            )
+
+    async def check_health(self) -> bool:
+        try:
+            async with asyncio.timeout(_HEALTH_TIMEOUT_S):
+                async with self._client().get("models") as response:
+                    return response.status < 500
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # --- error mapping -------------------------------------------------------------------------------------
+
+    async def _read(self, response: aiohttp.ClientResponse) -> bytes:
+        try:
+            return await response.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise self._map_exception(exc) from None
+
+    def _parse_chunk(self, data: bytes) -> Json:
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise malformed(f"a stream chunk is not JSON ({exc.msg} at position {exc.pos})") from None
+        if isinstance(chunk, dict) and "error" in chunk and "choices" not in chunk:
+            raise BackendError(
+                f"The upstream reported an error mid-stream: {self._upstream_message(chunk)}. Retry the request.",
+                code="upstream_error",
+            )
+        return chunk  # type: ignore[no-any-return]
+
+    def _parse_json(self, content: bytes, content_type: str) -> Json:
+        if "html" in content_type or content.lstrip()[:1] == b"<":
+            raise malformed(
+                "an HTML page instead of JSON (the deployment's base_url probably points at a website or proxy "
+                "login page, not an OpenAI-compatible API)"
+            )
+        try:
+            data = orjson.loads(content)
+        except orjson.JSONDecodeError as exc:
+            raise malformed(f"the body is not JSON ({exc.msg} at position {exc.pos})") from None
+        if isinstance(data, dict) and "error" in data and "choices" not in data and "data" not in data:
+            raise BackendError(
+                f"The upstream answered with an error: {self._upstream_message(data)}. Retry the request.",
+                code="upstream_error",
+            )
+        if not isinstance(data, dict):
+            raise malformed(f"the body is a JSON {type(data).__name__}, not an object")
+        return data
+
+    def _status_error(self, status: int, content: bytes, headers: CIMultiDictProxy[str]) -> GatewayError:
+        if status in (401, 403):
+            return BackendError(
+                f"The upstream of deployment {self.name!r} rejected the gateway's own upstream credentials "
+                f"(HTTP {status}). This is not about your API key: the gateway operator must fix the deployment's "
+                "api_key in the routing file.",
+                code="upstream_auth_failed",
+            )
+        detail = self._upstream_message(_loads_or_none(content))
+        if status == 429:
+            retry_after = headers.get("retry-after")
+            wait = f" Retry after {retry_after} s." if retry_after else " Retry later."
+            return UpstreamRateLimitedError(
+                f"The upstream is rate limiting the gateway (HTTP 429: {detail}).{wait}",
+                headers={"retry-after": retry_after} if retry_after else None,
+            )
+        if status >= 500:
+            return BackendError(
+                f"The upstream failed with HTTP {status} ({detail}). Retry later.", code="upstream_error"
+            )
+        if status in (400, 409, 413, 415, 422):
+            code = _upstream_code(content)
+            return InvalidRequestError(
+                f"The upstream rejected the request (HTTP {status}): {detail}",
+                code=code or "invalid_request",
+                status_code=413 if status == 413 else 400,
+            )
+        return BackendError(
+            f"The upstream answered HTTP {status} ({detail}); check the deployment's `model` and `base_url`.",
+            code="upstream_error",
+        )
+
+    def _map_exception(self, exc: Exception, *, is_mid_stream: bool = False) -> GatewayError:
+        if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+            return BackendError(
+                f"Could not connect to the upstream of deployment {self.name!r}; it is down or unreachable from "
+                "the gateway. Retry later.",
+                code="upstream_unreachable",
+            )
+        if isinstance(exc, TimeoutError):  # aiohttp's ServerTimeoutError is one too
+            return self._timeout_error()
+        where = "in the middle of the stream" if is_mid_stream else "before sending a complete response"
+        return BackendError(
+            f"The upstream closed the connection {where}. Retry the request.",
+            code="upstream_error",
+        )
+
+    def _timeout_error(self) -> UpstreamTimeoutError:
+        return UpstreamTimeoutError(
+            f"The upstream of deployment {self.name!r} did not answer within its timeout "
+            f"({self.timeout_s:g} s total). Retry, or raise the deployment's timeout_s."
+        )
+
+    def _upstream_message(self, data: Any) -> str:
+        message = "no detail"
+        if isinstance(data, dict):
+            error = data.get("error", data)
+            if isinstance(error, dict):
+                message = str(error.get("message") or error.get("detail") or "no detail")
+            elif isinstance(error, str):
+                message = error
+        return self._redact(message)
+
+    def _redact(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "[redacted]")
+        text = _KEY_PATTERN.sub("[redacted]", text)
+        return text[:_MAX_MESSAGE]
+
+
+def _has_finish_reason(chunk: Json) -> bool:
+    choices = chunk.get("choices")
+    if isinstance(choices, list):
+        return any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
+    return False
+
+
+def _loads_or_none(content: bytes) -> Any:
+    try:
+        return orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _upstream_code(content: bytes) -> str | None:
+    data = _loads_or_none(content)
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        code = data["error"].get("code")
+        if isinstance(code, str) and code.replace("_", "").isalnum():
+            return code
+    return None

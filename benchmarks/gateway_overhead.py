@@ -1,0 +1,191 @@
+"""Gateway overhead: the same load against a fast fake upstream directly and through one gateway worker.
+
+    .venv/bin/python benchmarks/gateway_overhead.py [--seconds 5] [--concurrency 1,32,128]
+
+Three processes: the fake upstream (tests/fakes/upstream.py, uvloop), the gateway (`gateway.server.run`, one
+uvicorn worker, uvloop + httptools), and this load generator (aiohttp, uvloop, closed loop: `c` clients each
+sending the next request when the previous one finished). Prints requests/s and p50/p99 latency per concurrency
+for non-streaming calls, p50/p99 time to first token for streaming calls, and the overhead (gateway - direct).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import uvloop
+
+ROOT = Path(__file__).resolve().parent.parent
+MASTER_KEY = "sk-bench-master"
+BODY = b'{"model": "bench", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 16}'
+STREAM_BODY = BODY[:-1] + b', "stream": true}'
+
+
+@dataclass
+class Result:
+    num_requests: int
+    seconds: float
+    latencies_ms: list[float]
+    num_errors: int
+
+    @property
+    def rps(self) -> float:
+        return self.num_requests / self.seconds
+
+    def percentile(self, q: float) -> float:
+        values = sorted(self.latencies_ms)
+        if not values:
+            return float("nan")
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on port {port}")
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, *, stream: bool) -> float:
+    """Latency in ms: the whole response, or (streaming) the first data line."""
+    started = time.perf_counter()
+    async with session.post(url, data=STREAM_BODY if stream else BODY) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}")
+        if not stream:
+            await response.read()
+            return (time.perf_counter() - started) * 1000
+        first: float | None = None
+        async for line in response.content:
+            if first is None and line.startswith(b"data:"):
+                first = (time.perf_counter() - started) * 1000
+        assert first is not None
+        return first
+
+
+async def load(url: str, *, concurrency: int, seconds: float, stream: bool) -> Result:
+    headers = {"authorization": f"Bearer {MASTER_KEY}", "content-type": "application/json"}
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    latencies: list[float] = []
+    num_errors = 0
+    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
+        for _ in range(min(concurrency, 8)):  # warm-up: open connections, fill caches
+            await one_request(session, url, stream=stream)
+        deadline = time.perf_counter() + seconds
+
+        async def client() -> None:
+            nonlocal num_errors
+            while time.perf_counter() < deadline:
+                try:
+                    latencies.append(await one_request(session, url, stream=stream))
+                except Exception:
+                    num_errors += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    return Result(len(latencies), elapsed, latencies, num_errors)
+
+
+def start_processes(tmp: Path) -> tuple[list[subprocess.Popen[bytes]], str, str]:
+    upstream_port, gateway_port = free_port(), free_port()
+    upstream = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests/fakes/upstream.py"), "--port", str(upstream_port), "--uvloop"],
+        stdout=subprocess.DEVNULL,
+    )
+    routing = tmp / "unigate.yaml"
+    routing.write_text(
+        "models:\n  - id: bench\n    deployments:\n"
+        f"      - {{type: openai, base_url: 'http://127.0.0.1:{upstream_port}/v1', api_key: sk-up,"
+        " max_connections: 256}\n"
+    )
+    env = {
+        **os.environ,
+        "UNIGATE_CONFIG": str(routing),
+        "UNIGATE_MASTER_KEY": MASTER_KEY,
+        "UNIGATE_PORT": str(gateway_port),
+        "UNIGATE_ENGINE__ENABLED": "false",
+        "UNIGATE_LOG_LEVEL": os.environ.get("UNIGATE_LOG_LEVEL", "warning"),
+    }
+    code = "from gateway.server import run; from gateway.settings import Settings; run(Settings(_env_file=None))"
+    gateway = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT)
+    wait_for_port(upstream_port)
+    wait_for_port(gateway_port)
+    return (
+        [upstream, gateway],
+        f"http://127.0.0.1:{upstream_port}/v1/chat/completions",
+        f"http://127.0.0.1:{gateway_port}/v1/chat/completions",
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--concurrency", default="1,32,128")
+    parser.add_argument("--hold", action="store_true", help="only start the processes and wait (for profiling)")
+    args = parser.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        processes, direct_url, gateway_url = start_processes(Path(tmp))
+        try:
+            if args.hold:
+                print(f"direct: {direct_url}\ngateway: {gateway_url}\n(ctrl-c to stop)", flush=True)
+                signal.pause()
+            rows = uvloop.run(run_all(levels, args.seconds, direct_url, gateway_url))
+        finally:
+            for process in processes:
+                process.send_signal(signal.SIGINT)
+            for process in processes:
+                process.wait(10)
+    print_table(rows)
+
+
+async def run_all(
+    levels: list[int], seconds: float, direct_url: str, gateway_url: str
+) -> list[tuple[str, int, Result, Result]]:
+    rows = []
+    for stream in (False, True):
+        for concurrency in levels:
+            direct = await load(direct_url, concurrency=concurrency, seconds=seconds, stream=stream)
+            through = await load(gateway_url, concurrency=concurrency, seconds=seconds, stream=stream)
+            rows.append(("stream TTFT" if stream else "non-stream", concurrency, direct, through))
+    return rows
+
+
+def print_table(rows: list[tuple[str, int, Result, Result]]) -> None:
+    header = (
+        f"{'mode':<12} {'c':>4} | {'direct req/s':>12} {'p50 ms':>8} {'p99 ms':>8} | "
+        f"{'gateway req/s':>13} {'p50 ms':>8} {'p99 ms':>8} | {'added p50 ms':>12} {'added p99 ms':>12} {'errors':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    for mode, concurrency, direct, through in rows:
+        print(
+            f"{mode:<12} {concurrency:>4} | {direct.rps:>12.0f} {direct.percentile(0.5):>8.2f} "
+            f"{direct.percentile(0.99):>8.2f} | {through.rps:>13.0f} {through.percentile(0.5):>8.2f} "
+            f"{through.percentile(0.99):>8.2f} | {through.percentile(0.5) - direct.percentile(0.5):>12.2f} "
+            f"{through.percentile(0.99) - direct.percentile(0.99):>12.2f} {direct.num_errors + through.num_errors:>6}"
+        )
+
+
+if __name__ == "__main__":
+    main()

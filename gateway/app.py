@@ -1,0 +1,103 @@
+"""`create_app(settings)`: the Starlette application, its routes, middleware stack and lifespan.
+
+`app.state` holds `settings`, `access` (an `AccessControl`), `routing` (the parsed routing file), `metrics`,
+`started_at`, and — once the lifespan has started — `router`.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.routing import BaseRoute
+
+from auth.base import AccessControl, MasterKeyAccess
+from backends import Backend, build_backend
+from gateway.metrics import GatewayMetrics
+from gateway.middleware import build_middleware, http_exception_handler
+from gateway.router import Router
+from gateway.routes import anthropic, health_routes, openai_routes, responses
+from gateway.routing_config import RoutingConfig, default_routing, load_routing
+from gateway.settings import Settings
+
+__all__ = ["create_app", "load_routing_for"]
+
+logger = logging.getLogger("unigate.app")
+
+
+def load_routing_for(settings: Settings) -> RoutingConfig:
+    """The routing file in use (`RoutingConfigError` if invalid), else the default table."""
+    path = settings.routing_file()
+    return load_routing(path) if path is not None else default_routing(settings)
+
+
+def create_app(
+    settings: Settings,
+    *,
+    access: AccessControl | None = None,
+    backends: Mapping[str, Backend] | None = None,
+    routing: RoutingConfig | None = None,
+    extra_routes: Sequence[BaseRoute] = (),
+    on_shutdown: Sequence[Callable[[], Awaitable[None]]] = (),
+) -> Starlette:
+    """Build the gateway. The routing file is validated here, so a bad one fails before the server starts.
+
+    `backends` maps deployment names to ready backends (used instead of building them; the caller owns and
+    closes those). `extra_routes` mounts further routes (admin). The lifespan starts `access` (when it has an async
+    `start()`), builds the remaining backends and the router, and on shutdown closes backends, then `access`, then
+    runs `on_shutdown` (e.g. stopping an embedded Redis).
+    """
+    routing = routing if routing is not None else load_routing_for(settings)
+    access = access if access is not None else _default_access(settings)
+    provided = dict(backends or {})
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        built: dict[str, Backend] = {}
+        start = getattr(access, "start", None)
+        if start is not None:
+            await start()
+        try:
+            for model in routing.models:
+                for deployment in model.deployments:
+                    if deployment.name not in provided:
+                        built[deployment.name] = build_backend(deployment, settings)
+            app.state.router = Router(routing, {**built, **provided})
+            yield
+        finally:
+            # Shutdown (after the server stopped accepting and in-flight requests finished or were cut):
+            # 1. close the upstream pools and engines we built; 2. close access control (Redis pools).
+            for name, backend in built.items():
+                try:
+                    await backend.aclose()
+                except Exception:
+                    logger.exception("closing backend %s failed", name)
+            await access.aclose()
+            # 3. stop what the caller asked us to (the embedded Redis goes last: access may still flush to it).
+            for hook in on_shutdown:
+                await hook()
+
+    app = Starlette(
+        routes=[*openai_routes(), *anthropic.routes(), *responses.routes(), *health_routes(), *extra_routes],
+        middleware=build_middleware(settings, metrics := GatewayMetrics()),
+        exception_handlers={HTTPException: http_exception_handler},
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.access = access
+    app.state.routing = routing
+    app.state.metrics = metrics
+    app.state.started_at = time.time()
+    return app
+
+
+def _default_access(settings: Settings) -> AccessControl:
+    if settings.master_key is not None:
+        return MasterKeyAccess(settings.master_key.get_secret_value())
+    logger.warning("UNIGATE_MASTER_KEY is not set and no access control was given: no client key will be accepted")
+    return MasterKeyAccess(secrets.token_urlsafe(32))

@@ -1,0 +1,41 @@
+"""Plain ASGI middleware, one per module; `build_middleware` is the one place their order is decided."""
+
+from __future__ import annotations
+
+from starlette.middleware import Middleware
+
+from gateway.metrics import GatewayMetrics
+from gateway.middleware.body_limit import BodyLimitMiddleware
+from gateway.middleware.errors import ErrorMiddleware, error_response, http_exception_handler
+from gateway.middleware.metrics import MetricsMiddleware
+from gateway.middleware.path_normalize import PathNormalizeMiddleware, normalize_path
+from gateway.middleware.request_id import RequestIdMiddleware
+from gateway.settings import Settings
+
+__all__ = [
+    "BodyLimitMiddleware",
+    "ErrorMiddleware",
+    "MetricsMiddleware",
+    "PathNormalizeMiddleware",
+    "RequestIdMiddleware",
+    "build_middleware",
+    "error_response",
+    "http_exception_handler",
+    "normalize_path",
+]
+
+
+def build_middleware(settings: Settings, metrics: GatewayMetrics) -> list[Middleware]:
+    """Outermost first."""
+    return [
+        # 1. Every response, even a 500, carries the request id; it is also in every log line.
+        Middleware(RequestIdMiddleware),
+        # 2. Rewrite the path before anything looks at it, so metrics and errors see the served route.
+        Middleware(PathNormalizeMiddleware),
+        # 3. Metrics see the final status, including rendered errors.
+        Middleware(MetricsMiddleware, metrics=metrics),
+        # 4. Every error below becomes one envelope.
+        Middleware(ErrorMiddleware, metrics=metrics),
+        # 5. Oversized bodies fail while being read (a GatewayError, rendered by 4).
+        Middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes),
+    ]

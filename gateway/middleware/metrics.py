@@ -1,0 +1,58 @@
+"""Request count / latency / in-flight by model, route template and status, plus one log line per request."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.metrics import GatewayMetrics
+
+__all__ = ["MetricsMiddleware"]
+
+logger = logging.getLogger("unigate.access")
+
+
+class MetricsMiddleware:
+    def __init__(self, app: ASGIApp, *, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        state = scope.setdefault("state", {})
+        state["started_at"] = started
+        status = 500
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            self.metrics.in_flight.dec()
+            elapsed = time.perf_counter() - started
+            route = scope.get("route")
+            # The route template, never the raw path: unknown paths must not create unbounded label values.
+            template = getattr(route, "path", "other")
+            model = state.get("model", "")
+            status_label = str(status)
+            self.metrics.requests.labels(model, template, status_label).inc()
+            self.metrics.request_latency.labels(model, template, status_label).observe(elapsed)
+            if logger.isEnabledFor(logging.INFO):
+                logger.info(
+                    "%s %s %d %.1fms",
+                    scope["method"],
+                    scope["path"],
+                    status,
+                    elapsed * 1000,
+                    extra={"status": status, "duration_ms": round(elapsed * 1000, 2), "model": model or None},
+                )

@@ -1,0 +1,122 @@
+"""Validate and repair OpenAI-family responses and stream chunks before they reach the client.
+
+Clients crash with "error reading choices" on bodies that are almost right. We repair what has exactly one
+meaning (a missing `index`, a missing `finish_reason`, `content` absent next to `tool_calls`, a missing
+`role`) and reject the rest with 502 `upstream_malformed_response`, saying what was wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backends.base import Endpoint, Json
+from gateway.errors import BackendError
+
+__all__ = ["malformed", "normalize_chunk", "normalize_response"]
+
+
+def malformed(what: str) -> BackendError:
+    return BackendError(
+        f"The upstream returned a malformed response: {what}. The gateway did not forward it; retry, and if it "
+        "persists the upstream (or the deployment's base_url) is not OpenAI-compatible.",
+        code="upstream_malformed_response",
+    )
+
+
+def normalize_response(endpoint: Endpoint, body: Any) -> Json:
+    """Check a non-streaming response of `endpoint`; returns it (repaired in place) or raises."""
+    if not isinstance(body, dict):
+        raise malformed(f"the body is a JSON {type(body).__name__}, not an object")
+    if endpoint == "embeddings":
+        _check_embeddings(body)
+    elif endpoint in ("chat/completions", "completions"):
+        choices = _choices(body, allow_empty=False)
+        is_chat = endpoint == "chat/completions"
+        for position, choice in enumerate(choices):
+            _check_choice(choice, position, is_chat=is_chat, is_chunk=False)
+    return body
+
+
+def normalize_chunk(endpoint: Endpoint, chunk: Any) -> Json:
+    """Check one streamed chunk; an empty `choices` list is valid (the final usage chunk)."""
+    if not isinstance(chunk, dict):
+        raise malformed(f"a stream chunk is a JSON {type(chunk).__name__}, not an object")
+    if endpoint in ("chat/completions", "completions"):
+        choices = _choices(chunk, allow_empty=True)
+        is_chat = endpoint == "chat/completions"
+        for position, choice in enumerate(choices):
+            _check_choice(choice, position, is_chat=is_chat, is_chunk=True)
+    return chunk
+
+
+def _choices(body: Json, *, allow_empty: bool) -> list[Any]:
+    if "choices" not in body:
+        raise malformed("it has no `choices` field")
+    choices = body["choices"]
+    if not isinstance(choices, list):
+        raise malformed(f"`choices` is a {type(choices).__name__}, not a list")
+    if not choices and not allow_empty:
+        raise malformed("`choices` is empty")
+    return choices
+
+
+def _check_choice(choice: Any, position: int, *, is_chat: bool, is_chunk: bool) -> None:
+    where = f"choices[{position}]"
+    if not isinstance(choice, dict):
+        raise malformed(f"`{where}` is a {type(choice).__name__}, not an object")
+    if "index" not in choice:
+        choice["index"] = position
+    elif not isinstance(choice["index"], int):
+        raise malformed(f"`{where}.index` is not an integer")
+    finish_reason = choice.get("finish_reason")
+    if finish_reason is not None and not isinstance(finish_reason, str):
+        raise malformed(f"`{where}.finish_reason` is not a string")
+    if is_chat:
+        field = "delta" if is_chunk else "message"
+        if field not in choice:
+            if is_chunk and finish_reason is not None:
+                choice["delta"] = {}  # a closing chunk that only carries finish_reason
+                return
+            raise malformed(f"`{where}` has no `{field}`")
+        _check_message(choice[field], f"{where}.{field}", is_chunk=is_chunk)
+        if not is_chunk and "finish_reason" not in choice:
+            choice["finish_reason"] = "tool_calls" if choice[field].get("tool_calls") else "stop"
+    else:
+        text = choice.get("text")
+        if not isinstance(text, str):
+            kind = "missing" if text is None else f"a {type(text).__name__}"
+            raise malformed(f"`{where}.text` is {kind}, not a string")
+        if not is_chunk and "finish_reason" not in choice:
+            choice["finish_reason"] = "stop"
+
+
+def _check_message(message: Any, where: str, *, is_chunk: bool) -> None:
+    if not isinstance(message, dict):
+        raise malformed(f"`{where}` is a {type(message).__name__}, not an object")
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None and not isinstance(tool_calls, list):
+        raise malformed(f"`{where}.tool_calls` is a {type(tool_calls).__name__}, not a list")
+    content = message.get("content")
+    if content is not None and not isinstance(content, (str, list)):
+        raise malformed(f"`{where}.content` is a {type(content).__name__}, not a string")
+    if is_chunk:
+        return
+    if "role" not in message:
+        message["role"] = "assistant"
+    if "content" not in message:
+        if tool_calls or message.get("refusal") is not None:
+            message["content"] = None
+        else:
+            raise malformed(f"`{where}` has neither `content` nor `tool_calls`")
+
+
+def _check_embeddings(body: Json) -> None:
+    data = body.get("data")
+    if not isinstance(data, list):
+        kind = "missing" if data is None else f"a {type(data).__name__}"
+        raise malformed(f"`data` is {kind}, not a list of embeddings")
+    for position, item in enumerate(data):
+        if not isinstance(item, dict) or not isinstance(item.get("embedding"), (list, str)):
+            raise malformed(f"`data[{position}].embedding` is missing or not a list")
+        if "index" not in item:
+            item["index"] = position

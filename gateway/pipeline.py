@@ -1,0 +1,359 @@
+"""The one request flow every route family uses: credential → model → admission → router → backend.
+
+    call = await open_call(request, endpoint="chat/completions", body=body, model=model, stream=stream)
+    data = await call.json()                      # non-streaming
+    async with aclosing(call.chunks()) as chunks: # streaming (the upstream is already open and answered)
+        async for chunk in chunks: ...
+
+Failures before the first byte (auth, 404, limits, every retry and fallback failing) raise from `open_call` /
+`json()`, so the route can still answer with a proper status. Usage is settled and leases released exactly
+once, in every outcome, by `json()` or by `chunks()`'s `finally` (also when the client disconnects); call
+`aclose()` if you drop a streaming call without iterating it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+
+from auth.base import AccessControl, Admission, UpstreamLease, extract_credential
+from backends.base import Endpoint, Json
+from gateway.errors import GatewayError, InvalidRequestError
+from gateway.metrics import GatewayMetrics
+from gateway.normalize import malformed, normalize_chunk, normalize_response
+from gateway.router import Deployment, Router, Target
+from gateway.settings import Settings
+
+__all__ = ["Call", "estimate_prompt_tokens", "open_call", "request_id_of", "serves_natively"]
+
+logger = logging.getLogger("unigate.pipeline")
+
+_USAGE_ENDPOINTS = ("chat/completions", "completions")
+_CHARS_PER_TOKEN = 4
+_IMAGE_CHARS = 765 * _CHARS_PER_TOKEN  # a typical image's prompt cost, so base64 bytes are not counted as text
+
+
+async def open_call(request: Request, *, endpoint: Endpoint, body: Json, model: str, stream: bool) -> Call:
+    """Authenticate and admit the caller, resolve `model`, and (streaming) open the upstream stream."""
+    state = request.app.state
+    access: AccessControl = state.access
+    router: Router = state.router
+    settings: Settings = state.settings
+    credential = extract_credential(request.headers)
+    target = router.find(model)
+    if target is None:
+        principal = await access.authenticate(credential)  # unknown callers learn nothing about models: 401
+        router.resolve(model, visible=principal.may_use)  # raises 404 with close matches this caller may use
+        raise AssertionError("unreachable")
+    num_prompt_tokens = estimate_prompt_tokens(endpoint, body)
+    num_max_tokens = 0
+    if endpoint != "embeddings":
+        num_max_tokens = _max_tokens(body) or settings.limits.default_max_tokens
+    admission = await access.admit(
+        credential, model=target.model_id, estimated_tokens=num_prompt_tokens + num_max_tokens
+    )
+    scope_state = request.scope.setdefault("state", {})
+    scope_state["model"] = target.model_id
+    call = Call(
+        access=access,
+        router=router,
+        settings=settings,
+        metrics=state.metrics,
+        admission=admission,
+        target=target,
+        endpoint=endpoint,
+        body=body,
+        request_id=request_id_of(request),
+        num_prompt_tokens=num_prompt_tokens,
+        started_at=scope_state.get("started_at") or time.perf_counter(),
+    )
+    if stream:
+        try:
+            await call.open_stream()
+        except BaseException:
+            await call.aclose()
+            raise
+    return call
+
+
+class Call:
+    """One admitted request on its way to a deployment; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        access: AccessControl,
+        router: Router,
+        settings: Settings,
+        metrics: GatewayMetrics,
+        admission: Admission,
+        target: Target,
+        endpoint: Endpoint,
+        body: Json,
+        request_id: str,
+        num_prompt_tokens: int,
+        started_at: float,
+    ) -> None:
+        self.access = access
+        self.router = router
+        self.settings = settings
+        self.metrics = metrics
+        self.admission = admission
+        self.target = target
+        self.endpoint = endpoint
+        self.body = body
+        self.request_id = request_id
+        self.headers: dict[str, str] = dict(admission.headers)
+        self.started_at = started_at
+        self._num_prompt_tokens = num_prompt_tokens
+        self._num_completion_chars = 0
+        self._usage: Json | None = None
+        # Only OpenAI-family streams carry a usage chunk we add and may strip; other families pass untouched.
+        self._strips_usage = endpoint in _USAGE_ENDPOINTS and not _wants_usage(body)
+        self._upstream: AsyncIterator[Json] | None = None
+        self._first: Json | None = None
+        self._deployment: Deployment | None = None
+        self._lease: UpstreamLease | None = None
+        self._is_closed = False
+
+    @property
+    def model(self) -> str:
+        return self.target.model_id
+
+    async def json(self) -> Json:
+        """The non-streaming response, validated/repaired, after retries and fallbacks."""
+        try:
+            data = await self.router.execute(self.target, self._send_attempt)
+        except BaseException:
+            await self.aclose()
+            raise
+        usage = data.get("usage")
+        self._usage = usage if isinstance(usage, dict) else None
+        await self.aclose()
+        return data
+
+    async def chunks(self) -> AsyncGenerator[Json, None]:
+        """The streamed chunks, validated/repaired; the usage chunk is stripped unless the client asked."""
+        upstream = self._upstream
+        if upstream is None:
+            raise RuntimeError("chunks() needs a call opened with stream=True")
+        try:
+            first, self._first = self._first, None
+            if first is not None:
+                out = self._accept(first)
+                self.metrics.ttft.labels(self.model).observe(time.perf_counter() - self.started_at)
+                if out is not None:
+                    yield out
+            async for chunk in upstream:
+                out = self._accept(normalize_chunk(self.endpoint, chunk))
+                if out is not None:
+                    yield out
+        except GatewayError as error:
+            if self._deployment is not None:
+                self.router.record_failure(self._deployment, error)
+            self.metrics.errors.labels(error.code).inc()
+            raise
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the upstream stream, release the deployment and lease, settle usage. Idempotent."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        try:
+            if self._upstream is not None:
+                aclose = getattr(self._upstream, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+        finally:
+            if self._deployment is not None:
+                self._deployment.num_in_flight -= 1
+            await self._release(self._lease)
+            await self._settle()
+
+    async def open_stream(self) -> None:
+        self._upstream, self._first = await self.router.execute(self.target, self._stream_attempt)
+
+    # --- attempts (one per deployment try; the router retries / falls back around them) ----------------------
+
+    async def _send_attempt(self, deployment: Deployment, target: Target) -> Json:
+        body = self._upstream_body(deployment, target, stream=False)
+        lease = await self._acquire(deployment)
+        deployment.num_in_flight += 1
+        started = time.perf_counter()
+        outcome = "error"
+        try:
+            data = await deployment.backend.send(self.endpoint, body, request_id=self.request_id)
+            data = normalize_response(self.endpoint, data)
+            outcome = "ok"
+            return data
+        finally:
+            deployment.num_in_flight -= 1
+            self.metrics.upstream_latency.labels(deployment.name, outcome).observe(time.perf_counter() - started)
+            await self._release(lease)
+
+    async def _stream_attempt(self, deployment: Deployment, target: Target) -> tuple[AsyncIterator[Json], Json]:
+        body = self._upstream_body(deployment, target, stream=True)
+        lease = await self._acquire(deployment)
+        deployment.num_in_flight += 1
+        started = time.perf_counter()
+        upstream = deployment.backend.stream(self.endpoint, body, request_id=self.request_id)
+        try:
+            try:
+                first = await anext(upstream)
+            except StopAsyncIteration:
+                raise malformed("the stream ended before its first chunk") from None
+            first = normalize_chunk(self.endpoint, first)
+        except BaseException:
+            deployment.num_in_flight -= 1
+            self.metrics.upstream_latency.labels(deployment.name, "error").observe(time.perf_counter() - started)
+            aclose = getattr(upstream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            await self._release(lease)
+            raise
+        self.metrics.upstream_latency.labels(deployment.name, "ok").observe(time.perf_counter() - started)
+        self._deployment, self._lease = deployment, lease
+        return upstream, first
+
+    def _upstream_body(self, deployment: Deployment, target: Target, *, stream: bool) -> Json:
+        if not deployment.backend.supports(self.endpoint):
+            raise InvalidRequestError(
+                f"Model {target.model_id!r} is served by a backend that does not support /v1/{self.endpoint}. "
+                "Use an endpoint this model serves (e.g. /v1/chat/completions) or another model.",
+                code="unsupported_endpoint",
+            )
+        body = dict(self.body)
+        body["model"] = target.upstream_model(deployment)
+        if stream:
+            body["stream"] = True
+            if self.endpoint in _USAGE_ENDPOINTS:  # usage is needed for accounting even if the client did not ask
+                options = body.get("stream_options")
+                body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        return body
+
+    async def _acquire(self, deployment: Deployment) -> UpstreamLease | None:
+        max_in_flight = deployment.config.max_in_flight
+        if max_in_flight is None:
+            return None
+        timeout_s = deployment.config.pool_timeout or self.settings.limits.pool_timeout_s
+        return await self.access.acquire_upstream(deployment.name, max_in_flight=max_in_flight, timeout_s=timeout_s)
+
+    async def _release(self, lease: UpstreamLease | None) -> None:
+        if lease is None:
+            return
+        try:
+            await self.access.release_upstream(lease)
+        except Exception:
+            logger.exception("could not release upstream lease for %s", lease.deployment)
+
+    def _accept(self, chunk: Json) -> Json | None:
+        """Capture usage and completion size; strip the usage the client did not ask for."""
+        if "usage" in chunk:
+            usage = chunk["usage"]
+            if isinstance(usage, dict):
+                self._usage = {**(self._usage or {}), **usage}
+            if self._strips_usage:
+                if not chunk.get("choices"):
+                    return None
+                del chunk["usage"]
+        elif chunk.get("type") == "message_start":  # Anthropic events: input tokens arrive first
+            message = chunk.get("message")
+            usage = message.get("usage") if isinstance(message, dict) else None
+            if isinstance(usage, dict):
+                self._usage = {**(self._usage or {}), **usage}
+        for choice in chunk.get("choices", ()):
+            delta = choice.get("delta") or choice
+            text = delta.get("content") if isinstance(delta, dict) else None
+            if text is None and isinstance(delta, dict):
+                text = delta.get("text")
+            if isinstance(text, str):
+                self._num_completion_chars += len(text)
+        return chunk
+
+    async def _settle(self) -> None:
+        usage = self._usage or {}
+        # OpenAI names, else Anthropic / Responses names.
+        num_prompt = _int(usage.get("prompt_tokens", usage.get("input_tokens")))
+        num_completion = _int(usage.get("completion_tokens", usage.get("output_tokens")))
+        if not usage and self._first is None and self._upstream is not None:
+            # The stream ran (perhaps cut short) without reporting usage: charge what we can estimate.
+            num_prompt = self._num_prompt_tokens
+            num_completion = -(-self._num_completion_chars // _CHARS_PER_TOKEN)
+        if num_prompt or num_completion:
+            self.metrics.tokens.labels(self.model, "in").inc(num_prompt)
+            self.metrics.tokens.labels(self.model, "out").inc(num_completion)
+        try:
+            await self.access.settle(self.admission, prompt_tokens=num_prompt, completion_tokens=num_completion)
+        except Exception:
+            logger.exception("could not settle usage for request %s", self.request_id)
+
+
+def request_id_of(request: Request) -> str:
+    state = request.scope.get("state") or {}
+    request_id = state.get("request_id")
+    return request_id if isinstance(request_id, str) else uuid.uuid4().hex
+
+
+def serves_natively(request: Request, model: str, endpoint: Endpoint) -> bool:
+    """Whether every deployment of `model` serves `endpoint` itself (route families translate otherwise)."""
+    router: Router = request.app.state.router
+    target = router.find(model)
+    return target is not None and all(d.backend.supports(endpoint) for d in target.route.deployments)
+
+
+def estimate_prompt_tokens(endpoint: Endpoint, body: Json) -> int:
+    """A cheap upper-ish estimate (characters / 4) used to reserve tokens before the real count is known."""
+    if endpoint in ("chat/completions", "messages", "messages/count_tokens"):
+        num_chars = sum(_content_chars(m.get("content")) for m in body.get("messages") or () if isinstance(m, dict))
+        num_chars += _content_chars(body.get("system"))
+    elif endpoint == "responses":
+        num_chars = _content_chars(body.get("input")) + _content_chars(body.get("instructions"))
+    else:
+        num_chars = _content_chars(body.get("prompt") if endpoint == "completions" else body.get("input"))
+    return num_chars // _CHARS_PER_TOKEN + 1
+
+
+def _content_chars(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        total = 0
+        for part in content:
+            if isinstance(part, str):
+                total += len(part)
+            elif isinstance(part, int):
+                total += _CHARS_PER_TOKEN  # a token id
+            elif isinstance(part, list):
+                total += _content_chars(part)
+            elif isinstance(part, dict):
+                kind = part.get("type", "")
+                if "image" in kind or "audio" in kind:
+                    total += _IMAGE_CHARS
+                else:
+                    total += _content_chars(part.get("text") or part.get("content"))
+        return total
+    return 0
+
+
+def _max_tokens(body: Json) -> int:
+    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        value = body.get(name)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def _wants_usage(body: Json) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and value >= 0 else 0

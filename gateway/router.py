@@ -1,0 +1,225 @@
+"""Model id / alias / wildcard → deployments, and the retry / fallback / cooldown loop around one call.
+
+Pick: among the deployments not cooling down, the one with the fewest in-flight requests per unit of weight
+(ties broken by weighted chance). Retries (connect errors, 429, 5xx) move to the next deployment of the same
+model with exponential backoff and jitter; when a model's attempts are spent the configured fallback models
+are tried in order. A deployment that fails `max_fails` times in a row (or answers 429) cools down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from backends.base import Backend
+from gateway.errors import BackendError, GatewayError, NotFoundError, UnavailableError
+from gateway.routing_config import DeploymentConfig, ModelConfig, RouterConfig, RoutingConfig
+
+__all__ = ["Deployment", "ModelRoute", "Router", "Target"]
+
+T = TypeVar("T")
+
+# Worth another attempt (on another deployment when there is one): the upstream may answer next time.
+_RETRIABLE = frozenset({"upstream_unreachable", "upstream_error", "upstream_rate_limited", "upstream_at_capacity"})
+
+
+@dataclass(slots=True)
+class Deployment:
+    config: DeploymentConfig
+    backend: Backend
+    num_in_flight: int = 0
+    num_fails: int = 0
+    cooldown_until: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+
+@dataclass(slots=True)
+class ModelRoute:
+    config: ModelConfig
+    deployments: list[Deployment] = field(default_factory=list)
+
+    @property
+    def id(self) -> str:
+        return self.config.id
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A resolved request model: `model_id` is the canonical public name (an alias resolves to its id; a
+    wildcard keeps the requested `openai/<x>`), `requested` is what the client sent."""
+
+    model_id: str
+    requested: str
+    route: ModelRoute
+
+    def upstream_model(self, deployment: Deployment) -> str:
+        return deployment.config.upstream_model(self.requested if self.route.config.is_wildcard else self.model_id)
+
+
+class Router:
+    def __init__(
+        self,
+        config: RoutingConfig,
+        backends: Mapping[str, Backend],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config: RouterConfig = config.router
+        self.fallbacks = config.fallbacks
+        self._clock = clock
+        self.routes: list[ModelRoute] = []
+        self._by_name: dict[str, ModelRoute] = {}
+        self._wildcards: list[ModelRoute] = []
+        for model in config.models:
+            route = ModelRoute(model, [Deployment(d, backends[d.name]) for d in model.deployments])
+            self.routes.append(route)
+            if model.is_wildcard:
+                self._wildcards.append(route)
+            else:
+                for name in (model.id, *model.aliases):
+                    self._by_name[name] = route
+        self._wildcards.sort(key=lambda r: len(r.id), reverse=True)  # the most specific prefix wins
+
+    @property
+    def deployments(self) -> list[Deployment]:
+        return [d for route in self.routes for d in route.deployments]
+
+    def find(self, model: str) -> Target | None:
+        route = self._by_name.get(model)
+        if route is not None:
+            return Target(route.id, model, route)
+        for route in self._wildcards:
+            prefix = route.id[:-1]
+            if model.startswith(prefix) and len(model) > len(prefix):
+                return Target(model, model, route)
+        return None
+
+    def resolve(self, model: str, *, visible: Callable[[str], bool] | None = None) -> Target:
+        """The target for `model`, or 404 `model_not_found` listing close matches the caller may use."""
+        target = self.find(model)
+        if target is not None:
+            return target
+        raise self.not_found(model, visible=visible)
+
+    def not_found(self, model: str, *, visible: Callable[[str], bool] | None = None) -> NotFoundError:
+        names = [n for n in self.public_names() if visible is None or visible(n)]
+        matches = difflib.get_close_matches(model, names, n=3, cutoff=0.5)
+        hint = f" Did you mean {', '.join(repr(m) for m in matches)}?" if matches else ""
+        return NotFoundError(
+            f"The model {model!r} does not exist on this gateway.{hint} GET /v1/models lists the models you can use.",
+            code="model_not_found",
+            param="model",
+        )
+
+    def public_names(self) -> list[str]:
+        names: list[str] = []
+        for route in self.routes:
+            names.append(route.id)
+            names.extend(route.config.aliases)
+        return names
+
+    async def execute(self, target: Target, attempt: Callable[[Deployment, Target], Awaitable[T]]) -> T:
+        """Run `attempt` on deployments of `target` (then of its fallbacks) until one succeeds."""
+        last_error: GatewayError | None = None
+        for current in self._chain(target):
+            tried: set[str] = set()
+            for attempt_number in range(1 + self.config.num_retries):
+                deployment = self.pick(current.route, exclude=tried)
+                if deployment is None:
+                    last_error = last_error or self._all_cooling_error(current.route)
+                    break
+                if attempt_number > 0:
+                    await asyncio.sleep(self._backoff(attempt_number))
+                tried.add(deployment.name)
+                try:
+                    result = await attempt(deployment, current)
+                except GatewayError as error:
+                    self.record_failure(deployment, error)
+                    last_error = error
+                    if error.code not in _RETRIABLE:
+                        break
+                    continue
+                self.record_success(deployment)
+                return result
+            if last_error is not None and not _may_fall_back(last_error):
+                raise last_error
+        assert last_error is not None  # the chain always holds `target`, which made at least one decision
+        raise last_error
+
+    def pick(self, route: ModelRoute, *, exclude: Iterable[str] = ()) -> Deployment | None:
+        """Least in-flight per unit of weight among available deployments, preferring ones not yet tried."""
+        now = self._clock()
+        available = [d for d in route.deployments if d.cooldown_until <= now]
+        if not available:
+            return None
+        fresh = [d for d in available if d.name not in exclude] or available
+        if len(fresh) == 1:
+            return fresh[0]
+        best = min(d.num_in_flight / d.config.weight for d in fresh)
+        ties = [d for d in fresh if d.num_in_flight / d.config.weight == best]
+        return random.choices(ties, weights=[d.config.weight for d in ties])[0]
+
+    def record_success(self, deployment: Deployment) -> None:
+        deployment.num_fails = 0
+
+    def record_failure(self, deployment: Deployment, error: GatewayError) -> None:
+        if not isinstance(error, BackendError):
+            return  # the caller's request or our own limits, not the deployment's health
+        deployment.num_fails += 1
+        cooldown = self.config.cooldown_s
+        if error.code == "upstream_rate_limited":
+            retry_after = _retry_after_s(error)
+            cooldown = min(retry_after, cooldown) if retry_after is not None else cooldown
+        elif deployment.num_fails < self.config.max_fails:
+            return
+        deployment.cooldown_until = self._clock() + cooldown
+        deployment.num_fails = 0
+
+    def mark_down(self, deployment: Deployment) -> None:
+        """Take a deployment out for one cooldown (a failed health probe)."""
+        deployment.cooldown_until = self._clock() + self.config.cooldown_s
+
+    def is_cooling(self, deployment: Deployment) -> bool:
+        return deployment.cooldown_until > self._clock()
+
+    def _chain(self, target: Target) -> list[Target]:
+        chain = [target]
+        names = self.fallbacks.get(target.requested) or self.fallbacks.get(target.route.id) or []
+        for name in names:
+            fallback = self.find(name)
+            if fallback is not None and fallback.route is not target.route:
+                chain.append(fallback)
+        return chain
+
+    def _backoff(self, attempt_number: int) -> float:
+        ceiling: float = min(self.config.max_backoff_s, self.config.retry_backoff_s * 2.0 ** (attempt_number - 1))
+        return ceiling / 2 + random.uniform(0, ceiling / 2)  # "equal jitter": spread retries, keep a floor
+
+    def _all_cooling_error(self, route: ModelRoute) -> UnavailableError:
+        wait = max(0.0, min(d.cooldown_until for d in route.deployments) - self._clock())
+        seconds = max(1, int(wait + 0.999))
+        return UnavailableError(
+            f"Every deployment of model {route.id!r} failed recently and is cooling down; retry in {seconds} s.",
+            code="upstream_cooling_down",
+            headers={"retry-after": str(seconds)},
+        )
+
+
+def _may_fall_back(error: GatewayError) -> bool:
+    return isinstance(error, BackendError) or error.code in ("upstream_at_capacity", "upstream_cooling_down")
+
+
+def _retry_after_s(error: GatewayError) -> float | None:
+    value = error.headers.get("retry-after")
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None

@@ -1,0 +1,129 @@
+"""Anthropic Messages endpoints (Claude Code, the Anthropic SDKs): `POST /v1/messages` and `/v1/messages/count_tokens`.
+
+A model whose deployments all speak Messages (`type: anthropic`) gets the request as is; every other model gets it
+translated to chat completions and the answer translated back. Any `anthropic-version`, unknown `anthropic-beta`
+flags and query strings such as `?beta=true` are accepted. Errors use Anthropic's envelope (the error middleware
+renders everything under /v1/messages that way); rate-limit headers come in Anthropic's naming as well as OpenAI's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from auth.base import AccessControl, extract_credential
+from backends.base import Json
+from gateway.errors import GatewayError, InvalidRequestError
+from gateway.pipeline import estimate_prompt_tokens, open_call, request_id_of, serves_natively
+from gateway.router import Router
+from gateway.routes.openai import JSONBytesResponse, read_json_body, require_model
+from gateway.sse import EventStreamResponse, encode_event
+from gateway.translate.anthropic import (
+    Event,
+    chat_chunks_to_events,
+    chat_to_message,
+    error_event,
+    guard_events,
+    messages_to_chat,
+)
+from gateway.translate.anthropic_meta import anthropic_headers, anthropic_model_list
+from gateway.translate.sse import with_keepalive
+
+__all__ = ["anthropic_headers", "anthropic_model_list", "routes"]
+
+PING_INTERVAL_S = 10.0  # Anthropic's own streams ping about this often; proxies cut idle connections at 30-60 s
+_PING = encode_event("ping", {"type": "ping"})
+
+
+async def create_message(request: Request) -> Response:
+    body = await read_json_body(request)
+    model = require_model(body)
+    stream = _check_body(body)
+    is_native = serves_natively(request, model, "messages")
+    if is_native:
+        # `stream_options` tells the pipeline to forward events carrying `usage` as they are; the Anthropic
+        # backend drops the field before sending.
+        upstream_body = {**body, "stream_options": {"include_usage": True}} if stream else body
+        call = await open_call(request, endpoint="messages", body=upstream_body, model=model, stream=stream)
+    else:
+        chat = messages_to_chat(body)
+        call = await open_call(request, endpoint="chat/completions", body=chat, model=model, stream=stream)
+    headers = anthropic_headers(call.headers, request_id=request_id_of(request))
+    if not stream:
+        data = await call.json()
+        if not is_native:
+            data = chat_to_message(data, model=model, stop_sequences=body.get("stop_sequences"))
+        return JSONBytesResponse(orjson.dumps(data), headers=headers)
+    if is_native:
+        events = guard_events(call.chunks())
+    else:
+        events = chat_chunks_to_events(
+            call.chunks(),
+            model=model,
+            input_tokens=estimate_prompt_tokens("messages", body),
+            stop_sequences=body.get("stop_sequences"),
+        )
+    encoded = with_keepalive(_encode(events), interval_s=PING_INTERVAL_S, keepalive=_PING)
+    return EventStreamResponse(encoded, headers=headers, error_tail=_error_tail, on_close=call.aclose)
+
+
+async def count_tokens(request: Request) -> Response:
+    """Exact counts from an Anthropic upstream; elsewhere the gateway's estimate (characters / 4), which is what
+    clients use this for: deciding when a conversation nears the context limit."""
+    body = await read_json_body(request)
+    model = require_model(body)
+    if not isinstance(body.get("messages"), list):
+        raise InvalidRequestError("`messages` must be a list of {role, content} objects.", param="messages")
+    if serves_natively(request, model, "messages/count_tokens"):
+        call = await open_call(request, endpoint="messages/count_tokens", body=body, model=model, stream=False)
+        return JSONBytesResponse(orjson.dumps(await call.json()), headers={"request-id": request_id_of(request)})
+    access: AccessControl = request.app.state.access
+    router: Router = request.app.state.router
+    principal = await access.authenticate(extract_credential(request.headers))
+    router.resolve(model, visible=principal.may_use)  # 404 for models this caller may not see or use
+    num_tokens = estimate_prompt_tokens("messages", body) + len(orjson.dumps(body.get("tools") or [])) // 4
+    return JSONBytesResponse(orjson.dumps({"input_tokens": num_tokens}), headers={"request-id": request_id_of(request)})
+
+
+def _check_body(body: Json) -> bool:
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidRequestError("`stream` must be true or false.", param="stream")
+    max_tokens = body.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise InvalidRequestError(
+            f"`max_tokens` must be an integer of at least 1 (got {max_tokens!r}).", param="max_tokens"
+        )
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError(
+            '`messages` must be a non-empty list like [{"role": "user", "content": "Hi"}].', param="messages"
+        )
+    return bool(stream)
+
+
+async def _encode(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    try:
+        async for name, data in events:
+            yield encode_event(name, data)
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def _error_tail(error: GatewayError) -> bytes:
+    """How a stream ends when it fails outside the translators (e.g. the gateway shutting down)."""
+    name, data = error_event(error)
+    return encode_event(name, data)
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/v1/messages", create_message, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+    ]

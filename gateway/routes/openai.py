@@ -1,0 +1,171 @@
+"""OpenAI-compatible endpoints, all built on `gateway.pipeline.open_call`.
+
+The body is parsed once with orjson; only what routing and accounting need is checked (`model`, `stream`,
+`max_tokens`, the presence and shape of `messages` / `prompt` / `input`); everything else is forwarded as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from auth.base import AccessControl, extract_credential
+from backends.base import Endpoint, Json
+from gateway.errors import InvalidRequestError
+from gateway.pipeline import Call, open_call
+from gateway.router import ModelRoute, Router
+from gateway.sse import DONE, EventStreamResponse, encode_data
+from gateway.translate.anthropic_meta import anthropic_model_list
+
+__all__ = ["JSONBytesResponse", "openai_routes", "read_json_body", "require_model"]
+
+
+class JSONBytesResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return content if isinstance(content, bytes) else orjson.dumps(content)
+
+
+async def read_json_body(request: Request) -> Json:
+    """The body as a JSON object; 400 `invalid_json` with the parse position otherwise."""
+    raw = await request.body()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(
+            f"The request body is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno} "
+            f"(character {exc.pos}). Send a JSON object with Content-Type: application/json.",
+            code="invalid_json",
+        ) from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError(
+            f"The request body must be a JSON object, not a JSON {type(body).__name__}.", code="invalid_json"
+        )
+    return body
+
+
+def require_model(body: Json) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        what = "missing" if model is None else "not a non-empty string"
+        raise _invalid(f"`model` is {what}. Set it to a model ID from GET /v1/models.", "model")
+    return model
+
+
+def _invalid(message: str, param: str) -> InvalidRequestError:
+    return InvalidRequestError(message, code="invalid_request", param=param)
+
+
+def _check_common(body: Json) -> bool:
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise _invalid("`stream` must be true or false.", "stream")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise _invalid(f"`{name}` must be an integer of at least 1 (got {value!r}).", name)
+    return bool(stream)
+
+
+def _check_messages(body: Json) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        what = "missing" if messages is None else "not a non-empty list"
+        raise _invalid(f'`messages` is {what}. Send a list like [{{"role": "user", "content": "Hi"}}].', "messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise _invalid(f"`messages[{index}]` must be an object with a string `role`.", f"messages[{index}].role")
+
+
+def _check_present(body: Json, name: str, example: str) -> None:
+    value = body.get(name)
+    if not (isinstance(value, str) or (isinstance(value, list) and value)):
+        what = "missing" if value is None else "not a string or a non-empty list"
+        raise _invalid(f'`{name}` is {what}. Send e.g. "{name}": {example}.', name)
+
+
+async def _respond(request: Request, endpoint: Endpoint, body: Json, stream: bool) -> Response:
+    call = await open_call(request, endpoint=endpoint, body=body, model=require_model(body), stream=stream)
+    if stream:
+        return EventStreamResponse(_encode(call), headers=call.headers, on_close=call.aclose)
+    data = await call.json()
+    return JSONBytesResponse(orjson.dumps(data), headers=call.headers)
+
+
+async def _encode(call: Call) -> AsyncIterator[bytes]:
+    async with aclosing(call.chunks()) as chunks:
+        async for chunk in chunks:
+            yield encode_data(chunk)
+    yield DONE
+
+
+async def chat_completions(request: Request) -> Response:
+    body = await read_json_body(request)
+    require_model(body)
+    stream = _check_common(body)
+    _check_messages(body)
+    return await _respond(request, "chat/completions", body, stream)
+
+
+async def completions(request: Request) -> Response:
+    body = await read_json_body(request)
+    require_model(body)
+    stream = _check_common(body)
+    _check_present(body, "prompt", '"Once upon a time"')
+    return await _respond(request, "completions", body, stream)
+
+
+async def embeddings(request: Request) -> Response:
+    body = await read_json_body(request)
+    require_model(body)
+    _check_present(body, "input", '"text to embed"')
+    return await _respond(request, "embeddings", body, False)
+
+
+def _model_object(route: ModelRoute, created: int) -> Json:
+    return {
+        "id": route.id,
+        "object": "model",
+        "created": created,
+        "owned_by": "unigate",
+        "aliases": route.config.aliases,
+    }
+
+
+async def list_models(request: Request) -> Response:
+    access: AccessControl = request.app.state.access
+    router: Router = request.app.state.router
+    principal = await access.authenticate(extract_credential(request.headers))
+    created = int(request.app.state.started_at)
+    visible = [route for route in router.routes if not route.config.is_wildcard and principal.may_use(route.id)]
+    if "anthropic-version" in request.headers:  # Anthropic SDKs / Claude Code model pickers
+        return JSONBytesResponse(anthropic_model_list([route.id for route in visible], created=created))
+    return JSONBytesResponse({"object": "list", "data": [_model_object(route, created) for route in visible]})
+
+
+async def get_model(request: Request) -> Response:
+    access: AccessControl = request.app.state.access
+    router: Router = request.app.state.router
+    principal = await access.authenticate(extract_credential(request.headers))
+    model_id: str = request.path_params["model_id"]
+    target = router.find(model_id)
+    if target is None or not principal.may_use(target.model_id):
+        raise router.not_found(model_id, visible=principal.may_use)
+    return JSONBytesResponse({**_model_object(target.route, int(request.app.state.started_at)), "id": target.model_id})
+
+
+def openai_routes() -> list[Route]:
+    return [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
+    ]

@@ -1,0 +1,235 @@
+"""The routing file (YAML): which public model IDs exist and which deployments serve them.
+
+```yaml
+models:
+  - id: gpt-4o-mini              # public model ID clients send
+    aliases: [fast]
+    deployments:
+      - type: openai             # openai | anthropic | local
+        base_url: https://api.example.com/v1
+        api_key: env:UPSTREAM_KEY  # literal, or env:NAME so secrets stay out of the file
+        model: gpt-4o-mini       # upstream's model name (default: the id)
+        weight: 1
+        timeout_s: 60
+        max_connections: 100
+        max_in_flight: 20        # optional cluster-wide cap (Redis leases)
+        pool_timeout: 5          # seconds to wait for one of those slots before 503
+  - id: openai/*                 # wildcard: forwards openai/<anything> as <anything>
+    deployments: [{type: openai, base_url: ..., api_key: env:OPENAI_API_KEY}]
+fallbacks:
+  gpt-4o-mini: [other-model]
+router:                          # optional; these are the defaults
+  num_retries: 2
+  retry_backoff_s: 0.05
+  max_backoff_s: 2.0
+  cooldown_s: 30
+  max_fails: 3
+```
+
+Any problem is raised as `RoutingConfigError` whose message names the file, the field and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from gateway.settings import Settings
+
+__all__ = [
+    "DeploymentConfig",
+    "ModelConfig",
+    "RouterConfig",
+    "RoutingConfig",
+    "RoutingConfigError",
+    "default_routing",
+    "load_routing",
+    "parse_routing",
+]
+
+_ENV_PREFIX = "env:"
+
+
+class RoutingConfigError(Exception):
+    """The routing file cannot be used; raised at start-up with a message naming the file, field and fix."""
+
+
+class DeploymentConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["openai", "anthropic", "local"]
+    name: str = ""  # stable deployment id for metrics/cooldowns/leases; default "<model id>#<index>"
+    id: str = ""  # the public model ID this deployment serves (filled in from the model entry)
+    base_url: str | None = None
+    api_key: str | None = None  # resolved: `env:NAME` is replaced by the variable's value at load time
+    model: str | None = None  # upstream model name; default the public id (for wildcards: the matched suffix)
+    model_path: str | None = None  # `type: local`: HF directory or GGUF file; None = the bundled model
+    weight: float = Field(default=1.0, gt=0)
+    timeout_s: float | None = Field(default=None, gt=0)
+    connect_timeout_s: float | None = Field(default=None, gt=0)
+    max_connections: int = Field(default=100, ge=1)
+    max_in_flight: int | None = Field(default=None, ge=1)
+    pool_timeout: float | None = Field(default=None, gt=0)
+    native_responses: bool = False  # `type: openai`: the upstream serves /v1/responses itself (pass it through)
+
+    @field_validator("api_key")
+    @classmethod
+    def _resolve_env(cls, value: str | None) -> str | None:
+        if value is None or not value.startswith(_ENV_PREFIX):
+            return value
+        name = value[len(_ENV_PREFIX) :].strip()
+        resolved = os.environ.get(name)
+        if not resolved:
+            raise ValueError(f"environment variable {name} is not set; export {name}=<key> before starting")
+        return resolved
+
+    @model_validator(mode="after")
+    def _check_type_fields(self) -> DeploymentConfig:
+        if self.type in ("openai", "anthropic") and not self.base_url:
+            raise ValueError(f"a `type: {self.type}` deployment needs `base_url` (e.g. https://api.example.com/v1)")
+        if self.type == "local" and self.base_url:
+            raise ValueError("a `type: local` deployment takes `model_path`, not `base_url`")
+        return self
+
+    def upstream_model(self, requested: str) -> str:
+        """The name sent upstream for a request that asked for `requested` (an id, alias or wildcard match)."""
+        if self.id.endswith("*"):
+            suffix = requested[len(self.id) - 1 :]
+            if self.model is None:
+                return suffix
+            return self.model.replace("*", suffix) if "*" in self.model else self.model
+        return self.model or self.id
+
+
+class ModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1)
+    aliases: list[str] = Field(default_factory=list)
+    deployments: list[DeploymentConfig] = Field(min_length=1)
+
+    @field_validator("id")
+    @classmethod
+    def _check_wildcard(cls, value: str) -> str:
+        if "*" in value and (value.count("*") > 1 or not value.endswith("*")):
+            raise ValueError("a wildcard id may only end with '*' (e.g. `openai/*`)")
+        return value
+
+    @model_validator(mode="after")
+    def _name_deployments(self) -> ModelConfig:
+        for index, deployment in enumerate(self.deployments):
+            deployment.id = self.id
+            if not deployment.name:
+                deployment.name = f"{self.id}#{index}"
+        return self
+
+    @property
+    def is_wildcard(self) -> bool:
+        return self.id.endswith("*")
+
+
+class RouterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_retries: int = Field(default=2, ge=0)  # extra attempts on connect errors / 429 / 5xx
+    retry_backoff_s: float = Field(default=0.05, ge=0)  # first backoff; doubles per attempt, full jitter
+    max_backoff_s: float = Field(default=2.0, ge=0)  # a longer upstream Retry-After is not waited for
+    cooldown_s: float = Field(default=30.0, ge=0)  # how long a failing deployment is taken out
+    max_fails: int = Field(default=3, ge=1)  # consecutive failures that trigger the cooldown
+
+
+class RoutingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    models: list[ModelConfig] = Field(default_factory=list)
+    fallbacks: dict[str, list[str]] = Field(default_factory=dict)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+
+    @model_validator(mode="after")
+    def _check_names(self) -> RoutingConfig:
+        seen: dict[str, str] = {}
+        deployment_names: set[str] = set()
+        for model in self.models:
+            for name in (model.id, *model.aliases):
+                if name in seen:
+                    raise ValueError(f"model name {name!r} is used twice ({seen[name]}); give each a unique id/alias")
+                seen[name] = f"by model {model.id!r}"
+            for deployment in model.deployments:
+                if deployment.name in deployment_names:
+                    raise ValueError(f"deployment name {deployment.name!r} is used twice; names must be unique")
+                deployment_names.add(deployment.name)
+        for source, targets in self.fallbacks.items():
+            for name in (source, *targets):
+                if name not in seen and not any(m.is_wildcard and name.startswith(m.id[:-1]) for m in self.models):
+                    raise ValueError(f"fallbacks name {name!r}, which no model entry defines; add it under `models`")
+        return self
+
+
+def parse_routing(data: Any, *, source: str) -> RoutingConfig:
+    """Validate an already-loaded YAML document; errors name `source`, the field path and the fix."""
+    if data is None:
+        data = {}
+    try:
+        return RoutingConfig.model_validate(data)
+    except ValidationError as exc:
+        raise RoutingConfigError(_describe(exc, source)) from None
+
+
+def load_routing(path: Path) -> RoutingConfig:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise RoutingConfigError(
+            f"{path}: cannot read the routing file ({exc.strerror}). Fix UNIGATE_CONFIG / --config or create it."
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise RoutingConfigError(f"{path}: not valid YAML ({exc}). Fix the syntax at the position shown.") from None
+    return parse_routing(data, source=str(path))
+
+
+def default_routing(settings: Settings) -> RoutingConfig:
+    """No routing file: the bundled local model when the engine is enabled, otherwise an empty table."""
+    if not settings.engine.enabled:
+        return RoutingConfig()
+    engine = settings.engine
+    deployment = {"type": "local", "model_path": engine.model_path}
+    return parse_routing(
+        {"models": [{"id": engine.model_id, "aliases": engine.aliases, "deployments": [deployment]}]},
+        source="<default engine settings>",
+    )
+
+
+_FIXES = {
+    "missing": "add it",
+    "extra_forbidden": "remove it or check its spelling",
+    "literal_error": "use one of the allowed values",
+    "greater_than": "use a positive number",
+    "greater_than_equal": "use a larger number",
+    "too_short": "list at least one entry",
+}
+
+
+def _describe(exc: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid routing file:"]
+    for error in exc.errors():
+        location = _format_location(error["loc"])
+        fix = _FIXES.get(error["type"], "fix the value")
+        message = error["msg"].removeprefix("Value error, ")
+        lines.append(f"  - {location or '<top level>'}: {message} ({fix})")
+    return "\n".join(lines)
+
+
+def _format_location(location: tuple[int | str, ...]) -> str:
+    text = ""
+    for part in location:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else part
+    return text

@@ -1,0 +1,118 @@
+"""`run(settings)`: serve the gateway with uvicorn (uvloop + httptools when installed), one or more workers.
+
+Shutdown on SIGTERM / SIGINT, in order:
+  1. uvicorn stops accepting connections and closes idle keep-alive ones;
+  2. in-flight requests and streams may finish for `settings.shutdown_grace_s`;
+  3. at the deadline the remaining request tasks are cancelled: a stream cut this way ends with an SSE error
+     event (`server_shutting_down`) and `data: [DONE]`, never silently (`gateway.sse.EventStreamResponse`);
+  4. the lifespan closes upstream pools / engines and access control (Redis).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from typing import Any
+
+import orjson
+import uvicorn
+from pydantic import SecretStr
+from starlette.applications import Starlette
+
+from gateway.app import create_app
+from gateway.logging import configure_logging
+from gateway.routing_config import RoutingConfigError
+from gateway.settings import Settings
+
+__all__ = ["app_from_env", "build_app", "run", "uvicorn_config"]
+
+# The parent process hands its fully resolved settings (CLI flags included) to worker processes here.
+_SETTINGS_ENV = "UNIGATE__RESOLVED_SETTINGS"
+
+
+def build_app(settings: Settings) -> Starlette:
+    """The production app one worker serves: Redis-backed keys and limits (the configured Redis, or the embedded
+    redis-server under the data directory), the master key (generated on first start when not configured) and
+    the admin API."""
+    from auth.access import RedisAccess
+    from auth.master_key import resolve_master_key
+    from auth.redis_client import RedisConnection
+    from auth.store import KeyStore
+    from gateway.routes.admin import admin_routes
+
+    connection = RedisConnection(settings.redis_url, settings.data_dir)
+    redis = connection.start()
+    master_key = resolve_master_key(settings)
+    access = RedisAccess(redis, settings=settings, master_key=master_key)
+    app = create_app(settings, access=access, extra_routes=admin_routes(), on_shutdown=[connection.stop])
+    app.state.key_store = KeyStore(redis)
+    app.state.master_key = master_key
+    return app
+
+
+def app_from_env() -> Starlette:
+    """uvicorn factory used in every worker: rebuilds the parent's settings and the app."""
+    raw = os.environ.get(_SETTINGS_ENV)
+    settings = Settings(**orjson.loads(raw)) if raw else Settings()
+    configure_logging(settings.log_level, settings.log_format)
+    return build_app(settings)
+
+
+def uvicorn_config(settings: Settings) -> uvicorn.Config:
+    has_uvloop = importlib.util.find_spec("uvloop") is not None
+    has_httptools = importlib.util.find_spec("httptools") is not None
+    return uvicorn.Config(
+        "gateway.server:app_from_env",
+        factory=True,
+        host=settings.host,
+        port=settings.port,
+        workers=settings.workers,
+        loop="uvloop" if has_uvloop else "asyncio",
+        http="httptools" if has_httptools else "h11",
+        lifespan="on",
+        log_config=None,  # configure_logging owns the handlers
+        access_log=False,  # the metrics middleware logs one structured line per request
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
+        timeout_keep_alive=30,
+    )
+
+
+def run(settings: Settings) -> None:
+    from auth.master_key import resolve_master_key
+    from auth.redis_client import EmbeddedRedis
+
+    configure_logging(settings.log_level, settings.log_format)
+    # Resolve once in the parent so a generated master key is created and printed exactly once.
+    if settings.master_key is None:
+        settings = settings.model_copy(update={"master_key": SecretStr(resolve_master_key(settings))})
+    # Fail on a bad routing file here, with its message, before any worker starts.
+    try:
+        create_app(settings)
+    except RoutingConfigError as exc:
+        raise SystemExit(f"unigate: {exc}") from None
+    embedded: EmbeddedRedis | None = None
+    if settings.workers > 1 and settings.redis_url is None:
+        # Several workers share one embedded server, owned (started and stopped) by this parent process.
+        embedded = EmbeddedRedis(settings.data_dir)
+        settings = settings.model_copy(update={"redis_url": embedded.start()})
+    os.environ[_SETTINGS_ENV] = orjson.dumps(_resolved(settings)).decode()
+    config = uvicorn_config(settings)
+    try:
+        if settings.workers > 1:
+            from uvicorn.supervisors import Multiprocess
+
+            sock = config.bind_socket()
+            Multiprocess(config, sockets=[sock]).run()
+        else:
+            uvicorn.Server(config).run()
+    finally:
+        if embedded is not None:
+            embedded.stop()
+
+
+def _resolved(settings: Settings) -> dict[str, Any]:
+    data: dict[str, Any] = settings.model_dump(mode="json")
+    if settings.master_key is not None:
+        data["master_key"] = settings.master_key.get_secret_value()
+    return data

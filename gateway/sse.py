@@ -1,0 +1,179 @@
+"""Server-sent events: encoding for our responses, incremental decoding of upstream streams, and the
+streaming ASGI response that ends every stream explicitly (error event on failure, cut-off or shutdown)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from gateway.errors import GatewayError, UnavailableError
+
+__all__ = [
+    "DONE",
+    "EventStreamResponse",
+    "SSEDecoder",
+    "encode_data",
+    "encode_event",
+    "openai_error_tail",
+]
+
+logger = logging.getLogger("unigate.sse")
+
+DONE = b"data: [DONE]\n\n"
+_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # tell nginx-style proxies not to buffer the stream
+]
+
+
+def encode_data(data: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+def encode_event(event: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def openai_error_tail(error: GatewayError) -> bytes:
+    """How an OpenAI-family stream ends on failure: the error envelope as a data event, then [DONE]."""
+    return encode_data(error.to_dict()) + DONE
+
+
+class SSEDecoder:
+    """Incremental SSE parser: feed raw bytes, get complete `(event, data)` pairs (per the HTML spec:
+    `data:` lines joined by newlines, comments and `id`/`retry` ignored, CRLF or LF line ends)."""
+
+    __slots__ = ("_buffer", "_data", "_event")
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._data: list[bytes] = []
+        self._event = ""
+
+    def feed(self, chunk: bytes) -> list[tuple[str, bytes]]:
+        buffer = self._buffer + chunk if self._buffer else chunk
+        lines = buffer.split(b"\n")
+        self._buffer = lines.pop()  # the unfinished last line (b"" when the chunk ended on a newline)
+        events: list[tuple[str, bytes]] = []
+        for raw in lines:
+            line = raw[:-1] if raw.endswith(b"\r") else raw
+            if not line:
+                if self._data:
+                    events.append((self._event or "message", b"\n".join(self._data)))
+                self._data = []
+                self._event = ""
+            elif line.startswith(b"data:"):
+                value = line[5:]
+                self._data.append(value[1:] if value.startswith(b" ") else value)
+            elif line.startswith(b"event:"):
+                self._event = line[6:].strip().decode("utf-8", "replace")
+        return events
+
+    def flush(self) -> list[tuple[str, bytes]]:
+        """Events still pending when the stream ends without a final blank line."""
+        events = self.feed(b"\n\n") if (self._buffer or self._data) else []
+        self._buffer = b""
+        return events
+
+
+class EventStreamResponse(Response):
+    """Streams pre-encoded SSE bytes chunk by chunk (no buffering) and always ends the stream explicitly.
+
+    - The events iterator raising a `GatewayError` (upstream broke, malformed chunk) → `error_tail(error)` is sent.
+    - The client disconnecting → the iterator is cancelled and closed at once, so the upstream request stops.
+    - The server cancelling the task at the shutdown deadline → `error_tail(server_shutting_down)` is sent.
+    `on_close` (e.g. `Call.aclose`) runs in every case, after the iterator is closed.
+    """
+
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        *,
+        headers: dict[str, str] | None = None,
+        error_tail: Callable[[GatewayError], bytes] = openai_error_tail,
+        on_close: Callable[[], Awaitable[None]] | None = None,
+        on_first_event: Callable[[], None] | None = None,
+    ) -> None:
+        self.status_code = 200
+        self.background = None
+        self.events = events
+        self.extra_headers = headers or {}
+        self.error_tail = error_tail
+        self.on_close = on_close
+        self.on_first_event = on_first_event
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw_headers = list(_HEADERS)
+        raw_headers.extend((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.extra_headers.items())
+        await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
+        pump = asyncio.ensure_future(self._pump(send))
+        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait((pump, watcher), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            # The server's shutdown deadline passed: tell the client first (the server closes connections soon
+            # after cancelling us), then stop the upstream and settle (which may wait on Redis).
+            pump.cancel()
+            watcher.cancel()
+            error = UnavailableError(
+                "The gateway is shutting down and its grace period ended before this stream finished. "
+                "Retry the request; it will be served by another instance or after restart.",
+                code="server_shutting_down",
+            )
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "body": self.error_tail(error), "more_body": False})
+            await _cancel(pump)
+            raise
+        finally:
+            if not pump.done():  # the client went away first
+                await _cancel(pump)
+            watcher.cancel()
+            await self._close()
+        if pump.done() and not pump.cancelled() and pump.exception() is None:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _pump(self, send: Send) -> None:
+        is_first = True
+        try:
+            async for data in self.events:
+                if is_first and self.on_first_event is not None:
+                    self.on_first_event()
+                is_first = False
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+        except GatewayError as error:
+            await send({"type": "http.response.body", "body": self.error_tail(error), "more_body": True})
+        except (asyncio.CancelledError, OSError):
+            raise
+        except Exception:
+            logger.exception("stream failed")
+            internal = GatewayError("The gateway failed while streaming this response; retry the request.")
+            await send({"type": "http.response.body", "body": self.error_tail(internal), "more_body": True})
+
+    async def _close(self) -> None:
+        aclose = getattr(self.events, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception):
+                await aclose()
+        if self.on_close is not None:
+            await self.on_close()
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _cancel(task: asyncio.Future[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task

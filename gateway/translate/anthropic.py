@@ -1,0 +1,499 @@
+"""Anthropic Messages clients on chat-completions backends (OpenAI-compatible upstreams, the local engine).
+
+    messages_to_chat(body)                            Messages request  → chat-completions request
+    chat_to_message(response, model=...)              chat completion   → Messages response
+    chat_chunks_to_events(chunks, model=...)          chat chunks       → Anthropic SSE events `(name, data)`
+    guard_events(events)                              native Anthropic events, closed properly if the source breaks
+
+Pure functions over dicts. What the target cannot express (server tools, documents it cannot read, `thinking`,
+`cache_control`) is dropped, with a logged warning where the model's behaviour may change. The opposite direction
+(chat clients on `type: anthropic` upstreams) is in `anthropic_upstream.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from gateway.errors import GatewayError, InvalidRequestError, anthropic_error_type
+from gateway.translate.common import (
+    Json,
+    aclose_source,
+    content_text,
+    dumps,
+    logger,
+    new_id,
+    parse_arguments,
+    usage_counts,
+)
+
+__all__ = ["chat_chunks_to_events", "chat_to_message", "error_event", "guard_events", "messages_to_chat"]
+
+Event = tuple[str, Json]
+
+
+# ---------------------------------------------------------------- request: Messages → chat
+
+
+def messages_to_chat(body: Json) -> Json:
+    """A Messages request as the equivalent chat-completions request (`model` is kept for the route to rewrite)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise InvalidRequestError(
+            "'messages' must be a list of {role, content} objects.", code="invalid_request", param="messages"
+        )
+    chat_messages: list[Json] = []
+    system = _system_text(body.get("system"))
+    if system:
+        chat_messages.append({"role": "system", "content": system})
+    for position, message in enumerate(messages):
+        chat_messages.extend(_chat_messages(message, position))
+
+    chat: Json = {"model": body.get("model"), "messages": chat_messages}
+    if body.get("max_tokens") is not None:
+        chat["max_tokens"] = body["max_tokens"]
+    for name in ("temperature", "top_p", "top_k"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if body.get("stop_sequences"):
+        chat["stop"] = list(body["stop_sequences"])
+    if body.get("stream"):
+        chat["stream"] = True
+        chat["stream_options"] = {"include_usage": True}
+    metadata = body.get("metadata")
+    if isinstance(metadata, dict) and isinstance(metadata.get("user_id"), str):
+        chat["user"] = metadata["user_id"]
+    response_format = _response_format(body.get("output_config"))
+    if response_format is not None:
+        chat["response_format"] = response_format
+    _add_tools(chat, body)
+    return chat
+
+
+def _system_text(system: Any) -> str:
+    """The top-level `system` (a string or text blocks, whose `cache_control` is meaningless downstream)."""
+    if isinstance(system, list):
+        return content_text(system, separator="\n\n")
+    return system if isinstance(system, str) else ""
+
+
+def _chat_messages(message: Any, position: int) -> list[Json]:
+    if not isinstance(message, dict):
+        raise InvalidRequestError(f"messages[{position}] must be an object.", param=f"messages[{position}]")
+    role, content = message.get("role"), message.get("content")
+    if role == "user":
+        return _user_messages(content)
+    if role == "assistant":
+        return [_assistant_message(content)]
+    if role == "system":
+        # Claude Code sends these inside `messages`; chat completions accepts them in place.
+        return [{"role": "system", "content": content_text(content, separator="\n\n")}]
+    raise InvalidRequestError(
+        f"messages[{position}].role must be 'user', 'assistant' or 'system', not {role!r}.",
+        param=f"messages[{position}].role",
+    )
+
+
+def _user_messages(content: Any) -> list[Json]:
+    """One user turn: its tool results become `tool` messages (which must directly follow the assistant's
+    tool calls), the rest one user message after them."""
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    tool_messages: list[Json] = []
+    parts: list[Json] = []
+    for block in content or []:
+        kind = block.get("type")
+        if kind == "text":
+            parts.append({"type": "text", "text": block.get("text", "")})
+        elif kind == "image":
+            parts.extend(_image_parts(block))
+        elif kind == "tool_result":
+            tool_message, images = _tool_result(block)
+            tool_messages.append(tool_message)
+            parts.extend(images)
+        elif kind == "document":
+            parts.extend(_document_parts(block))
+        else:
+            logger.warning("dropping a %r content block: chat completions has no equivalent", kind)
+    if not parts and tool_messages:
+        return tool_messages
+    return [*tool_messages, {"role": "user", "content": _simplify(parts)}]
+
+
+def _simplify(parts: list[Json]) -> str | list[Json]:
+    """A lone text part as a plain string: the form every chat-completions server accepts."""
+    if not parts:
+        return ""
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        return str(parts[0]["text"])
+    return parts
+
+
+def _image_parts(block: Json) -> list[Json]:
+    source = block.get("source") or {}
+    if source.get("type") == "base64":
+        url = f"data:{source.get('media_type', 'image/png')};base64,{source.get('data', '')}"
+    elif source.get("type") == "url":
+        url = source.get("url", "")
+    else:
+        logger.warning(
+            "dropping an image with source type %r: only base64 and url images translate", source.get("type")
+        )
+        return []
+    return [{"type": "image_url", "image_url": {"url": url}}]
+
+
+def _document_parts(block: Json) -> list[Json]:
+    source = block.get("source") or {}
+    if source.get("type") == "text":
+        return [{"type": "text", "text": source.get("data", "")}]
+    if source.get("type") == "content":
+        return [{"type": "text", "text": content_text(source.get("content"))}]
+    logger.warning("dropping a document with source type %r: chat completions cannot read it", source.get("type"))
+    return []
+
+
+def _tool_result(block: Json) -> tuple[Json, list[Json]]:
+    """A `tool_result` block as a `tool` message; images in it (tool messages carry text only) come back
+    separately, to be sent in the user message that follows."""
+    content = block.get("content")
+    images: list[Json] = []
+    if isinstance(content, list):
+        for item in content:
+            if isinstance(item, dict) and item.get("type") == "image":
+                images.extend(_image_parts(item))
+    text = content_text(content)
+    if block.get("is_error"):
+        text = f"Error: {text}"
+    return {"role": "tool", "tool_call_id": block.get("tool_use_id", ""), "content": text}, images
+
+
+def _assistant_message(content: Any) -> Json:
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    texts: list[str] = []
+    tool_calls: list[Json] = []
+    for block in content or []:
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(block.get("text", ""))
+        elif kind == "tool_use":
+            function = {"name": block.get("name", ""), "arguments": dumps(block.get("input") or {})}
+            tool_calls.append({"id": block.get("id") or new_id("toolu_"), "type": "function", "function": function})
+        elif kind in ("thinking", "redacted_thinking"):
+            continue  # the target has no thinking; earlier turns' thoughts are not part of the conversation
+        else:
+            logger.warning("dropping a %r block from an assistant turn: chat completions has no equivalent", kind)
+    message: Json = {"role": "assistant", "content": "\n".join(texts) if texts else None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    elif message["content"] is None:
+        message["content"] = ""
+    return message
+
+
+def _add_tools(chat: Json, body: Json) -> None:
+    tools: list[Json] = []
+    for tool in body.get("tools") or []:
+        if tool.get("type") not in (None, "custom") or "input_schema" not in tool:
+            # Anthropic-defined tools (web_search_*, bash_*, text_editor_*, computer_*) run on Anthropic's side.
+            logger.warning(
+                "dropping tool %r of type %r: the target model cannot run it", tool.get("name"), tool.get("type")
+            )
+            continue
+        function: Json = {"name": tool["name"], "parameters": tool["input_schema"] or {"type": "object"}}
+        if tool.get("description"):
+            function["description"] = tool["description"]
+        tools.append({"type": "function", "function": function})
+    if not tools:
+        return
+    chat["tools"] = tools
+    choice = body.get("tool_choice")
+    if not isinstance(choice, dict):
+        return
+    kind = choice.get("type")
+    if kind == "auto":
+        chat["tool_choice"] = "auto"
+    elif kind == "any":
+        chat["tool_choice"] = "required"
+    elif kind == "none":
+        chat["tool_choice"] = "none"
+    elif kind == "tool":
+        chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name", "")}}
+    if choice.get("disable_parallel_tool_use"):
+        chat["parallel_tool_calls"] = False
+
+
+def _response_format(output_config: Any) -> Json | None:
+    """Structured output (`output_config.format`) as chat's `response_format`; `effort` has no equivalent."""
+    if not isinstance(output_config, dict):
+        return None
+    output_format = output_config.get("format")
+    if isinstance(output_format, dict) and output_format.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": "output", "schema": output_format.get("schema", {})}}
+    return None
+
+
+# ---------------------------------------------------------------- response: chat → Messages
+
+
+def chat_to_message(response: Json, *, model: str, stop_sequences: Sequence[str] | None = None) -> Json:
+    """A chat completion as a Messages response. `model` is the name the client asked for; `stop_sequences`
+    (the request's) tells a stop-sequence stop from a natural one when the upstream reports the match."""
+    choices = response.get("choices") or [{}]
+    choice = choices[0]
+    message = choice.get("message") or {}
+    content: list[Json] = []
+    text = content_text(message.get("content")) or message.get("refusal") or ""
+    if text:
+        content.append({"type": "text", "text": text})
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        content.append(
+            {
+                "type": "tool_use",
+                "id": call.get("id") or new_id("toolu_"),
+                "name": function.get("name", ""),
+                "input": parse_arguments(function.get("arguments")),
+            }
+        )
+    has_tool_use = any(block["type"] == "tool_use" for block in content)
+    stop_reason, stop_sequence = stop_reason_of(
+        choice.get("finish_reason"), choice.get("stop_reason"), has_tool_use=has_tool_use, stop_sequences=stop_sequences
+    )
+    return {
+        "id": message_id_of(response.get("id")),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": anthropic_usage(response.get("usage")),
+    }
+
+
+def message_id_of(chat_id: Any) -> str:
+    if isinstance(chat_id, str) and chat_id:
+        return "msg_" + chat_id.removeprefix("chatcmpl-")
+    return new_id("msg_")
+
+
+def stop_reason_of(
+    finish_reason: Any, matched_stop: Any, *, has_tool_use: bool, stop_sequences: Sequence[str] | None
+) -> tuple[str, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) from a chat `finish_reason` (and vLLM-style `stop_reason`, the
+    matched stop string, when the upstream sends it)."""
+    if finish_reason in ("tool_calls", "function_call") or (has_tool_use and finish_reason in (None, "stop")):
+        return "tool_use", None
+    if finish_reason == "length":
+        return "max_tokens", None
+    if finish_reason == "content_filter":
+        return "refusal", None
+    if isinstance(matched_stop, str) and stop_sequences and matched_stop in stop_sequences:
+        return "stop_sequence", matched_stop
+    return "end_turn", None
+
+
+def anthropic_usage(usage: Any) -> Json:
+    """Anthropic counts cache reads apart from `input_tokens`; chat counts them inside `prompt_tokens`."""
+    prompt_tokens, completion_tokens, cached_tokens = usage_counts(usage)
+    result: Json = {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": completion_tokens}
+    if cached_tokens:
+        result["cache_read_input_tokens"] = cached_tokens
+    return result
+
+
+# ---------------------------------------------------------------- stream: chat chunks → Anthropic events
+
+
+async def chat_chunks_to_events(
+    chunks: AsyncIterator[Json],
+    *,
+    model: str,
+    input_tokens: int = 0,
+    stop_sequences: Sequence[str] | None = None,
+    message_id: str | None = None,
+) -> AsyncIterator[Event]:
+    """Chat chunks as Anthropic's exact event sequence: `message_start`, per block `content_block_start` /
+    `content_block_delta`… / `content_block_stop`, `message_delta` (stop reason, usage), `message_stop`.
+
+    `input_tokens` is the prompt estimate shown in `message_start` (the real count, known only from the final
+    usage chunk, goes in `message_delta`). When `chunks` raises, the open block is closed and an `error` event in
+    Anthropic's shape ends the stream, since a client that sees no `content_block_stop` shows an empty answer.
+    """
+    builder = _EventBuilder(
+        model=model, input_tokens=input_tokens, stop_sequences=stop_sequences, message_id=message_id
+    )
+    yield builder.start()
+    try:
+        async for chunk in chunks:
+            for event in builder.feed(chunk):
+                yield event
+    except Exception as error:
+        for event in builder.fail(error):
+            yield event
+        return
+    finally:
+        await aclose_source(chunks)
+    for event in builder.finish():
+        yield event
+
+
+class _EventBuilder:
+    """The translator's state: which block is open, what the upstream said about stopping and usage."""
+
+    def __init__(
+        self, *, model: str, input_tokens: int, stop_sequences: Sequence[str] | None, message_id: str | None
+    ) -> None:
+        self.model = model
+        self.input_tokens = input_tokens
+        self.stop_sequences = stop_sequences
+        self.message_id = message_id or new_id("msg_")
+        self.num_closed_blocks = 0  # also the index of the open block
+        self.open_kind: str | None = None  # "text" | "tool_use"
+        self.open_tool_key: Any = None  # the chat tool-call `index` of the open tool_use block
+        self.closed_tool_keys: set[Any] = set()
+        self.has_tool_use = False
+        self.pending_text = ""
+        self.finish_reason: Any = None
+        self.matched_stop: Any = None
+        self.usage: Json | None = None
+
+    def start(self) -> Event:
+        message: Json = {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
+        }
+        return "message_start", {"type": "message_start", "message": message}
+
+    def feed(self, chunk: Json) -> list[Event]:
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        events: list[Event] = []
+        for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue  # n > 1 has no Anthropic equivalent; the route never asks for it
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                events.extend(self._text(delta["content"]))
+            for call in delta.get("tool_calls") or []:
+                events.extend(self._tool_call(call))
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+            if choice.get("stop_reason") is not None:
+                self.matched_stop = choice["stop_reason"]
+        return events
+
+    def finish(self) -> list[Event]:
+        events = self._close_all()
+        stop_reason, stop_sequence = stop_reason_of(
+            self.finish_reason, self.matched_stop, has_tool_use=self.has_tool_use, stop_sequences=self.stop_sequences
+        )
+        usage = anthropic_usage(self.usage) if self.usage is not None else {"input_tokens": self.input_tokens}
+        usage.setdefault("output_tokens", 0)
+        delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
+        events.append(("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}))
+        events.append(("message_stop", {"type": "message_stop"}))
+        return events
+
+    def fail(self, error: Exception) -> list[Event]:
+        return [*self._close_all(), error_event(error)]
+
+    def _text(self, text: str) -> list[Event]:
+        if self.open_kind == "tool_use":
+            # A block cannot reopen, so text arriving while a tool call may still get arguments waits for it.
+            self.pending_text += text
+            return []
+        events: list[Event] = []
+        if self.open_kind != "text":
+            events.extend(self._close())
+            events.append(self._open({"type": "text", "text": ""}, "text"))
+        delta = {"type": "text_delta", "text": text}
+        events.append(
+            ("content_block_delta", {"type": "content_block_delta", "index": self.num_closed_blocks, "delta": delta})
+        )
+        return events
+
+    def _tool_call(self, call: Json) -> list[Event]:
+        key = call.get("index")
+        if key is None:  # some servers omit `index`; a new id means a new call
+            key = call.get("id") or self.open_tool_key or 0
+        function = call.get("function") or {}
+        events: list[Event] = []
+        if self.open_kind != "tool_use" or key != self.open_tool_key:
+            if key in self.closed_tool_keys:
+                # Anthropic blocks cannot reopen; interleaved argument fragments are not produced by real servers.
+                logger.warning("dropping a late argument fragment for an already closed tool call")
+                return []
+            events.extend(self._close_all())
+            block = {"type": "tool_use", "id": call.get("id") or new_id("toolu_"), "name": function.get("name") or ""}
+            events.append(self._open({**block, "input": {}}, "tool_use"))
+            self.open_tool_key = key
+            self.has_tool_use = True
+        if function.get("arguments"):
+            delta = {"type": "input_json_delta", "partial_json": function["arguments"]}
+            index = self.num_closed_blocks
+            events.append(("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
+        return events
+
+    def _open(self, content_block: Json, kind: str) -> Event:
+        self.open_kind = kind
+        data = {"type": "content_block_start", "index": self.num_closed_blocks, "content_block": content_block}
+        return "content_block_start", data
+
+    def _close_all(self) -> list[Event]:
+        """Close the open block, and the text block of any text held back while a tool call was open."""
+        events = self._close()
+        if self.pending_text:
+            text, self.pending_text = self.pending_text, ""
+            events.extend(self._text(text))
+            events.extend(self._close())
+        return events
+
+    def _close(self) -> list[Event]:
+        if self.open_kind is None:
+            return []
+        if self.open_kind == "tool_use":
+            self.closed_tool_keys.add(self.open_tool_key)
+            self.open_tool_key = None
+        index = self.num_closed_blocks
+        self.open_kind = None
+        self.num_closed_blocks += 1
+        return [("content_block_stop", {"type": "content_block_stop", "index": index})]
+
+
+def error_event(error: Exception) -> Event:
+    """Anthropic's in-stream error: `{"type": "error", "error": {"type", "message"}}`, never a traceback."""
+    if isinstance(error, GatewayError):
+        kind, message = anthropic_error_type(error), error.message
+    else:
+        logger.warning("stream failed mid-response: %s", type(error).__name__)
+        kind, message = "api_error", "The upstream stream failed mid-response. Retry the request."
+    return "error", {"type": "error", "error": {"type": kind, "message": message}}
+
+
+async def guard_events(events: AsyncIterator[Json]) -> AsyncIterator[Event]:
+    """Events from an Anthropic upstream, named for SSE. If the source raises, the blocks it left open are
+    closed and an `error` event follows, as `chat_chunks_to_events` does for translated streams."""
+    open_indexes: list[Any] = []
+    try:
+        async for event in events:
+            kind = str(event.get("type", ""))
+            if kind == "content_block_start":
+                open_indexes.append(event.get("index"))
+            elif kind == "content_block_stop" and event.get("index") in open_indexes:
+                open_indexes.remove(event.get("index"))
+            yield kind, event
+    except Exception as error:
+        for index in open_indexes:
+            yield "content_block_stop", {"type": "content_block_stop", "index": index}
+        yield error_event(error)
+    finally:
+        await aclose_source(events)

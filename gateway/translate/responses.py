@@ -1,0 +1,519 @@
+"""OpenAI Responses clients (Codex CLI) on chat-completions backends, stateless (`store: false` semantics).
+
+    responses_to_chat(body)                          Responses request → chat-completions request
+    chat_to_response(response, request=...)          chat completion   → Responses object
+    chat_chunks_to_response_events(chunks, request=...)  chat chunks   → Responses SSE events `(name, data)`
+
+Only `function` tools translate; other tool types (web_search, custom, namespace, tool_search, ...) are dropped
+with a warning, and `reasoning` is ignored. Pure functions over dicts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from gateway.errors import GatewayError, InvalidRequestError
+from gateway.translate.common import Json, aclose_source, content_text, logger, new_id, usage_counts
+
+__all__ = ["chat_chunks_to_response_events", "chat_to_response", "responses_to_chat"]
+
+Event = tuple[str, Json]
+
+
+# ---------------------------------------------------------------- request: Responses → chat
+
+
+def responses_to_chat(body: Json) -> Json:
+    """A Responses request as the equivalent chat-completions request (`model` is kept for the route to rewrite)."""
+    if body.get("previous_response_id"):
+        raise InvalidRequestError(
+            "previous_response_id is not supported: unigate stores no responses (store: false). Resend the whole "
+            "conversation in `input`.",
+            code="unsupported_parameter",
+            param="previous_response_id",
+        )
+    messages = _input_messages(body)
+    chat: Json = {"model": body.get("model"), "messages": messages}
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    for name in ("temperature", "top_p"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if body.get("stream"):
+        chat["stream"] = True
+        chat["stream_options"] = {"include_usage": True}
+    _add_user(chat, body)
+    response_format = _response_format(body.get("text"))
+    if response_format is not None:
+        chat["response_format"] = response_format
+    tools = function_tools(body.get("tools"))
+    if tools:
+        chat["tools"] = [{"type": "function", "function": _chat_function(tool)} for tool in tools]
+        tool_choice = _chat_tool_choice(body.get("tool_choice"))
+        if tool_choice is not None:
+            chat["tool_choice"] = tool_choice
+        if body.get("parallel_tool_calls") is not None:
+            chat["parallel_tool_calls"] = bool(body["parallel_tool_calls"])
+    return chat
+
+
+def _input_messages(body: Json) -> list[Json]:
+    """`instructions` and `input` (a string, or message / function_call / function_call_output items) as chat
+    messages."""
+    messages: list[Json] = []
+    if isinstance(body.get("instructions"), str) and body["instructions"]:
+        messages.append({"role": "system", "content": body["instructions"]})
+    items = body.get("input")
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+    elif isinstance(items, list):
+        for item in items:
+            _add_item(messages, item)
+    elif items is not None:
+        raise InvalidRequestError("'input' must be a string or a list of input items.", param="input")
+    if not messages:
+        raise InvalidRequestError("'input' is required: give a string or a list of input items.", param="input")
+    return messages
+
+
+def _add_user(chat: Json, body: Json) -> None:
+    user = body.get("user") or body.get("safety_identifier")
+    if isinstance(user, str):
+        chat["user"] = user
+
+
+def _add_item(messages: list[Json], item: Any) -> None:
+    if not isinstance(item, dict):
+        raise InvalidRequestError("Each item of 'input' must be an object.", param="input")
+    kind = item.get("type") or ("message" if "role" in item else None)
+    if kind == "message":
+        messages.append(_chat_message(item))
+    elif kind == "function_call":
+        function = {"name": item.get("name", ""), "arguments": item.get("arguments") or "{}"}
+        call = {"id": item.get("call_id") or new_id("call_"), "type": "function", "function": function}
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant":
+            # Parallel calls (and the text before them) are one assistant turn in chat completions.
+            last.setdefault("tool_calls", []).append(call)
+            if not last.get("content"):
+                last["content"] = None
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        output = item.get("output")
+        text = output if isinstance(output, str) else content_text(output)
+        messages.append({"role": "tool", "tool_call_id": item.get("call_id", ""), "content": text})
+    elif kind == "reasoning":
+        return  # the target has no reasoning items to resend
+    else:
+        logger.warning("dropping an input item of type %r: chat completions has no equivalent", kind)
+
+
+def _chat_message(item: Json) -> Json:
+    role = item.get("role")
+    content = item.get("content")
+    if role in ("system", "developer"):
+        # Many chat servers (and chat templates) know no `developer` role.
+        return {"role": "system", "content": content_text(content, separator="\n\n")}
+    if role == "assistant":
+        return {"role": "assistant", "content": content_text(content, separator="")}
+    if role != "user":
+        raise InvalidRequestError(
+            f"Input message role must be user, assistant, system or developer, not {role!r}.", param="input"
+        )
+    if isinstance(content, str):
+        return {"role": "user", "content": content}
+    parts: list[Json] = []
+    for part in content or []:
+        kind = part.get("type")
+        if kind in ("input_text", "output_text", "text"):
+            parts.append({"type": "text", "text": part.get("text", "")})
+        elif kind == "input_image" and part.get("image_url"):
+            image_url: Json = {"url": part["image_url"]}
+            if part.get("detail") in ("low", "high"):
+                image_url["detail"] = part["detail"]
+            parts.append({"type": "image_url", "image_url": image_url})
+        else:
+            logger.warning("dropping a %r input part: chat completions cannot carry it", kind)
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        return {"role": "user", "content": parts[0]["text"]}
+    return {"role": "user", "content": parts}
+
+
+def function_tools(tools: Any) -> list[Json]:
+    """The request's `function` tools; the rest cannot be served by a chat-completions target."""
+    kept: list[Json] = []
+    for tool in tools or []:
+        if tool.get("type") == "function" and tool.get("name"):
+            kept.append(tool)
+        else:
+            logger.warning(
+                "dropping tool %r of type %r: the target cannot serve it", tool.get("name"), tool.get("type")
+            )
+    return kept
+
+
+def _chat_function(tool: Json) -> Json:
+    function: Json = {
+        "name": tool["name"],
+        "parameters": tool.get("parameters") or {"type": "object", "properties": {}},
+    }
+    if tool.get("description"):
+        function["description"] = tool["description"]
+    if isinstance(tool.get("strict"), bool):
+        function["strict"] = tool["strict"]
+    return function
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict):
+        if choice.get("type") == "function" and choice.get("name"):
+            return {"type": "function", "function": {"name": choice["name"]}}
+        if choice.get("type") == "allowed_tools" and choice.get("mode") in ("auto", "required"):
+            return choice["mode"]
+        logger.warning("ignoring tool_choice of type %r: the target cannot honour it", choice.get("type"))
+    return None
+
+
+def _response_format(text: Any) -> Json | None:
+    output_format = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(output_format, dict):
+        return None
+    if output_format.get("type") == "json_object":
+        return {"type": "json_object"}
+    if output_format.get("type") == "json_schema":
+        schema: Json = {"name": output_format.get("name", "output"), "schema": output_format.get("schema", {})}
+        if isinstance(output_format.get("strict"), bool):
+            schema["strict"] = output_format["strict"]
+        return {"type": "json_schema", "json_schema": schema}
+    return None
+
+
+# ---------------------------------------------------------------- response: chat → Responses
+
+
+def response_object(request: Json, *, response_id: str, created_at: int, status: str) -> Json:
+    """The Response object's frame, echoing the request's settings; `output` and `usage` are filled in later."""
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "background": False,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": request.get("instructions"),
+        "max_output_tokens": request.get("max_output_tokens"),
+        "model": request.get("model"),
+        "output": [],
+        "parallel_tool_calls": request.get("parallel_tool_calls", True),
+        "previous_response_id": None,
+        "reasoning": request.get("reasoning"),
+        "store": False,
+        "temperature": request.get("temperature"),
+        "text": request.get("text") or {"format": {"type": "text"}},
+        "tool_choice": request.get("tool_choice") or "auto",
+        "tools": [tool for tool in request.get("tools") or [] if tool.get("type") == "function" and tool.get("name")],
+        "top_p": request.get("top_p"),
+        "truncation": "disabled",
+        "usage": None,
+        "user": request.get("user"),
+        "metadata": request.get("metadata") or {},
+    }
+
+
+def chat_to_response(
+    response: Json, *, request: Json, response_id: str | None = None, created_at: int | None = None
+) -> Json:
+    """A chat completion as a completed (or `incomplete`, when cut by max tokens) Response object."""
+    choice = (response.get("choices") or [{}])[0]
+    message = choice.get("message") or {}
+    output: list[Json] = []
+    text = content_text(message.get("content")) or message.get("refusal") or ""
+    if text:
+        output.append(_message_item(new_id("msg_"), text, "completed"))
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        output.append(
+            _function_call_item(
+                new_id("fc_"),
+                call.get("id") or new_id("call_"),
+                function.get("name", ""),
+                function.get("arguments") or "",
+                "completed",
+            )
+        )
+    result = response_object(
+        request,
+        response_id=response_id or new_id("resp_"),
+        created_at=created_at if created_at is not None else int(time.time()),
+        status="completed",
+    )
+    result["output"] = output
+    result["usage"] = responses_usage(response.get("usage"))
+    _mark_incomplete(result, choice.get("finish_reason"))
+    return result
+
+
+def _message_item(item_id: str, text: str, status: str) -> Json:
+    return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": [_text_part(text)]}
+
+
+def _text_part(text: str) -> Json:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> Json:
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "status": status,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+    }
+
+
+def _mark_incomplete(result: Json, finish_reason: Any) -> None:
+    if finish_reason == "length":
+        result["status"] = "incomplete"
+        result["incomplete_details"] = {"reason": "max_output_tokens"}
+    elif finish_reason == "content_filter":
+        result["status"] = "incomplete"
+        result["incomplete_details"] = {"reason": "content_filter"}
+
+
+def responses_usage(usage: Any) -> Json:
+    prompt_tokens, completion_tokens, cached_tokens = usage_counts(usage)
+    details = usage.get("completion_tokens_details") if isinstance(usage, dict) else None
+    reasoning_tokens = int(details.get("reasoning_tokens") or 0) if isinstance(details, dict) else 0
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def failure_code(error: Exception) -> str:
+    """The Responses error code a client acts on (Codex retries rate limits, stops on context/quota errors)."""
+    if not isinstance(error, GatewayError):
+        return "server_error"
+    if error.code in ("context_length_exceeded", "budget_exceeded"):
+        return "insufficient_quota" if error.code == "budget_exceeded" else "context_length_exceeded"
+    if error.status_code == 429:
+        return "rate_limit_exceeded"
+    if error.status_code == 400:
+        return "invalid_prompt"
+    return "server_error"
+
+
+# ---------------------------------------------------------------- stream: chat chunks → Responses events
+
+
+async def chat_chunks_to_response_events(
+    chunks: AsyncIterator[Json], *, request: Json, response_id: str | None = None, created_at: int | None = None
+) -> AsyncIterator[Event]:
+    """Chat chunks as Responses events: `response.created`, `response.in_progress`, per output item its
+    `added` / deltas / `done` events, then `response.completed` with usage — or `response.failed` with the error
+    (and the output so far) when `chunks` raises. Every event carries a `sequence_number`."""
+    builder = _ResponseBuilder(
+        request,
+        response_id=response_id or new_id("resp_"),
+        created_at=created_at if created_at is not None else int(time.time()),
+    )
+    for event in builder.start():
+        yield event
+    try:
+        async for chunk in chunks:
+            for event in builder.feed(chunk):
+                yield event
+    except Exception as error:
+        yield builder.fail(error)
+        return
+    finally:
+        await aclose_source(chunks)
+    for event in builder.finish():
+        yield event
+
+
+class _ResponseBuilder:
+    def __init__(self, request: Json, *, response_id: str, created_at: int) -> None:
+        self.request = request
+        self.response_id = response_id
+        self.created_at = created_at
+        self.num_events = 0
+        self.output: list[Json] = []  # items done so far, in output order
+        self.open_item: Json | None = None  # the item being streamed; its output_index is len(self.output)
+        self.open_text = ""
+        self.pending_text = ""
+        self.open_tool_key: Any = None
+        self.closed_tool_keys: set[Any] = set()
+        self.finish_reason: Any = None
+        self.usage: Json | None = None
+
+    def _event(self, name: str, **data: Any) -> Event:
+        event = {"type": name, "sequence_number": self.num_events, **data}
+        self.num_events += 1
+        return name, event
+
+    def _response(self, status: str) -> Json:
+        return response_object(self.request, response_id=self.response_id, created_at=self.created_at, status=status)
+
+    def start(self) -> list[Event]:
+        return [
+            self._event("response.created", response=self._response("in_progress")),
+            self._event("response.in_progress", response=self._response("in_progress")),
+        ]
+
+    def feed(self, chunk: Json) -> list[Event]:
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        events: list[Event] = []
+        for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                events.extend(self._text(delta["content"]))
+            for call in delta.get("tool_calls") or []:
+                events.extend(self._tool_call(call))
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return events
+
+    def finish(self) -> list[Event]:
+        events = self._close_all()
+        response = self._response("completed")
+        response["output"] = self.output
+        response["usage"] = responses_usage(self.usage)
+        _mark_incomplete(response, self.finish_reason)
+        # Clients treat a stream without response.completed as failed, so a max-tokens cut still completes.
+        events.append(self._event("response.completed", response=response))
+        return events
+
+    def fail(self, error: Exception) -> Event:
+        if isinstance(error, GatewayError):
+            message = error.message
+        else:
+            logger.warning("chat stream failed mid-response: %s", type(error).__name__)
+            message = "The upstream stream failed mid-response. Retry the request."
+        response = self._response("failed")
+        response["output"] = [*self.output, *self._partial_item()]
+        response["error"] = {"code": failure_code(error), "message": message}
+        return self._event("response.failed", response=response)
+
+    def _partial_item(self) -> list[Json]:
+        """The output cut off by a failure, marked incomplete, with what had arrived of it."""
+        items: list[Json] = []
+        if self.open_item is not None and self.open_item["type"] == "message":
+            items.append(_message_item(self.open_item["id"], self.open_text, "incomplete"))
+        elif self.open_item is not None:
+            items.append({**self.open_item, "status": "incomplete"})
+        if self.pending_text:
+            items.append(_message_item(new_id("msg_"), self.pending_text, "incomplete"))
+        return items
+
+    def _text(self, text: str) -> list[Event]:
+        if self.open_item is not None and self.open_item["type"] == "function_call":
+            # An item cannot reopen, so text arriving while a call may still get arguments waits for it.
+            self.pending_text += text
+            return []
+        events: list[Event] = []
+        if self.open_item is None or self.open_item["type"] != "message":
+            events.extend(self._close())
+            item = {
+                "id": new_id("msg_"),
+                "type": "message",
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            }
+            self.open_item, self.open_text = item, ""
+            index = len(self.output)
+            events.append(self._event("response.output_item.added", output_index=index, item=item))
+            part = _text_part("")
+            events.append(
+                self._event(
+                    "response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=part
+                )
+            )
+        self.open_text += text
+        assert self.open_item is not None
+        events.append(
+            self._event(
+                "response.output_text.delta",
+                item_id=self.open_item["id"],
+                output_index=len(self.output),
+                content_index=0,
+                delta=text,
+                logprobs=[],
+            )
+        )
+        return events
+
+    def _tool_call(self, call: Json) -> list[Event]:
+        key = call.get("index")
+        if key is None:
+            key = call.get("id") or self.open_tool_key or 0
+        function = call.get("function") or {}
+        events: list[Event] = []
+        if self.open_item is None or self.open_item["type"] != "function_call" or key != self.open_tool_key:
+            if key in self.closed_tool_keys:
+                logger.warning("dropping a late argument fragment for an already closed tool call")
+                return []
+            events.extend(self._close_all())
+            item = _function_call_item(
+                new_id("fc_"), call.get("id") or new_id("call_"), function.get("name") or "", "", "in_progress"
+            )
+            self.open_item, self.open_tool_key = item, key
+            events.append(self._event("response.output_item.added", output_index=len(self.output), item=item))
+        assert self.open_item is not None
+        if function.get("arguments"):
+            self.open_item["arguments"] += function["arguments"]
+            events.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=self.open_item["id"],
+                    output_index=len(self.output),
+                    delta=function["arguments"],
+                )
+            )
+        return events
+
+    def _close_all(self) -> list[Event]:
+        """Close the open item, and the message of any text held back while a function call was open."""
+        events = self._close()
+        if self.pending_text:
+            text, self.pending_text = self.pending_text, ""
+            events.extend(self._text(text))
+            events.extend(self._close())
+        return events
+
+    def _close(self) -> list[Event]:
+        item = self.open_item
+        if item is None:
+            return []
+        index = len(self.output)
+        events: list[Event] = []
+        if item["type"] == "message":
+            part = _text_part(self.open_text)
+            common = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            events.append(self._event("response.output_text.done", **common, text=self.open_text, logprobs=[]))
+            events.append(self._event("response.content_part.done", **common, part=part))
+            done = _message_item(item["id"], self.open_text, "completed")
+        else:
+            common = {"item_id": item["id"], "output_index": index}
+            events.append(self._event("response.function_call_arguments.done", **common, arguments=item["arguments"]))
+            done = {**item, "status": "completed"}
+            self.closed_tool_keys.add(self.open_tool_key)
+            self.open_tool_key = None
+        events.append(self._event("response.output_item.done", output_index=index, item=done))
+        self.output.append(done)
+        self.open_item, self.open_text = None, ""
+        return events

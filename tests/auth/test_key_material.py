@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+
+from auth.base import model_allowed
+from auth.keys import display_prefix, generate_key, hash_key, is_key_id, new_key_id
+from auth.master_key import master_key_path, read_master_key, resolve_master_key
+from gateway.settings import Settings
+
+
+def test_generated_keys_are_prefixed_random_and_long() -> None:
+    keys = {generate_key() for _ in range(100)}
+    assert len(keys) == 100
+    for key in keys:
+        assert key.startswith("sk-ug-")
+        assert len(key) >= len("sk-ug-") + 43
+
+
+def test_hash_is_sha256_hex_and_prefix_reveals_four_chars() -> None:
+    key = generate_key()
+    assert len(hash_key(key)) == 64 and key not in hash_key(key)
+    assert hash_key(key) == hash_key(key) != hash_key(generate_key())
+    assert display_prefix(key) == key[:10] + "…"
+
+
+def test_key_ids() -> None:
+    assert is_key_id(new_key_id())
+    assert not is_key_id("key_../../etc") and not is_key_id("master")
+
+
+def test_model_allowlist_semantics_match_the_lua_matcher() -> None:
+    assert model_allowed((), "anything")
+    assert model_allowed(("openai/*",), "openai/gpt-4o")
+    assert not model_allowed(("openai/*",), "openai")
+    assert model_allowed(("gpt-4o-?ini",), "gpt-4o-mini")
+    assert not model_allowed(("gpt-4o",), "gpt-4o-mini")
+
+
+def _settings(data_dir: Path, master_key: str | None = None) -> Settings:
+    return Settings(_env_file=None, data_dir=data_dir, master_key=master_key)  # type: ignore[call-arg, arg-type]
+
+
+def test_master_key_generated_once_owner_only_and_printed_once(tmp_path: Path) -> None:
+    announced: list[str] = []
+    settings = _settings(tmp_path / "data")
+    assert read_master_key(settings) is None
+    key = resolve_master_key(settings, announce=lambda k, _: announced.append(k))
+    again = resolve_master_key(settings, announce=lambda k, _: announced.append(k))
+    assert key == again and key.startswith("sk-ug-")
+    assert announced == [key]
+    mode = stat.S_IMODE(master_key_path(tmp_path / "data").stat().st_mode)
+    assert mode == 0o600
+
+
+def test_configured_master_key_wins_and_writes_nothing(tmp_path: Path) -> None:
+    settings = _settings(tmp_path, "sk-ug-configured")
+    assert resolve_master_key(settings, announce=lambda *_: pytest.fail("printed")) == "sk-ug-configured"
+    assert not master_key_path(tmp_path).exists()

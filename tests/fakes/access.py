@@ -1,0 +1,67 @@
+"""A recording `AccessControl` for tests: the master key plus named keys with model allowlists, and a log of
+every admit / settle / acquire_upstream / release_upstream call (to prove usage is settled and leases freed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from auth.base import Admission, MasterKeyAccess, Principal, UpstreamLease
+from gateway.errors import AuthError, PermissionDeniedError
+
+__all__ = ["RecordingAccess", "Settled"]
+
+
+@dataclass
+class Settled:
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class RecordingAccess(MasterKeyAccess):
+    master_key: str = "sk-ug-master"
+    keys: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key -> allowed models ("" = all)
+    is_redis_up: bool | None = None  # None: no `ping` (duck-typed away below)
+    admitted: list[str] = field(default_factory=list)
+    settled: list[Settled] = field(default_factory=list)
+    acquired: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.master_key)
+        if self.is_redis_up is None:
+            self.ping = None  # type: ignore[assignment]
+
+    async def ping(self) -> bool:
+        return bool(self.is_redis_up)
+
+    async def authenticate(self, credential: str) -> Principal:
+        if credential in self.keys:
+            return Principal(key_id=credential, name=credential, models=self.keys[credential])
+        return await super().authenticate(credential)
+
+    async def admit(self, credential: str, *, model: str, estimated_tokens: int) -> Admission:
+        principal = await self.authenticate(credential)
+        if not principal.may_use(model):
+            raise PermissionDeniedError(f"This key may not use {model!r}.", code="model_not_allowed")
+        self.admitted.append(model)
+        return Admission(
+            principal=principal,
+            model=model,
+            reserved_tokens=estimated_tokens,
+            headers={"x-ratelimit-remaining-requests": "99"},
+        )
+
+    async def settle(self, admission: Admission, *, prompt_tokens: int, completion_tokens: int) -> None:
+        if admission.is_settled:
+            raise AuthError("settled twice")  # the pipeline must settle exactly once
+        admission.is_settled = True
+        self.settled.append(Settled(admission.model, prompt_tokens, completion_tokens))
+
+    async def acquire_upstream(self, deployment: str, *, max_in_flight: int, timeout_s: float) -> UpstreamLease:
+        self.acquired.append(deployment)
+        return UpstreamLease(deployment=deployment, lease_id=f"lease-{len(self.acquired)}")
+
+    async def release_upstream(self, lease: UpstreamLease) -> None:
+        self.released.append(lease.deployment)

@@ -1,0 +1,430 @@
+"""A fake OpenAI-compatible upstream: a real HTTP/1.1 server on a loopback port that misbehaves on request.
+
+It is a raw asyncio server running its own event loop in a daemon thread, so it works under any test loop and
+can break the protocol on purpose (drop the connection, cut a chunked stream, send HTML with status 200).
+
+    upstream = FakeUpstream().start()          # or the `fake_upstream` fixture in tests/fakes/fixtures.py
+    upstream.base_url                          # "http://127.0.0.1:<port>/v1"
+    upstream.behave(mode="slow", ttft_s=0.2)   # the default behaviour for every following request
+    upstream.queue(Behavior(mode="status", status=500), Behavior())  # one-shot behaviours, used first, in order
+    upstream.requests                          # [RecordedRequest(method, path, headers, body)] in arrival order
+    upstream.num_open_streams                  # streams being written right now
+    upstream.num_streams_aborted               # streams whose client closed the connection before the end
+    upstream.stop()
+
+Endpoints: POST /v1/chat/completions, /v1/completions, /v1/embeddings (any other POST path answers like chat),
+GET /v1/models. Streams send `num_chunks` content chunks `"t0 "`, `"t1 "`, ..., a finish chunk, a usage chunk
+when the request set `stream_options.include_usage`, then `[DONE]`. Usage is always
+`prompt_tokens=PROMPT_TOKENS`, `completion_tokens=num_chunks`.
+
+Modes (`Behavior.mode`):
+    normal            well-formed responses (with `ttft_s` / `inter_token_s` delays when set: "slow")
+    slow              same as normal; set `ttft_s` (before the headers) and `inter_token_s` (between chunks)
+    status            answer `status` with an OpenAI error body (and `Retry-After: retry_after` when set)
+    drop              read the request, then close the connection without answering
+    html              status 200 with an HTML page
+    malformed         status 200 with a broken JSON body; `variant` one of MALFORMED_VARIANTS
+    stream_cut        stream `cut_after` chunks, then close the connection mid-body
+    malformed_chunk   stream `cut_after` chunks, then one broken chunk (`variant`: not_json | no_delta |
+                      choices_not_list), then [DONE]
+    error_chunk       stream `cut_after` chunks, then `data: {"error": {...}}`
+Run standalone (benchmarks): `python tests/fakes/upstream.py --port 9000`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+__all__ = ["MALFORMED_VARIANTS", "PROMPT_TOKENS", "Behavior", "FakeUpstream", "RecordedRequest"]
+
+PROMPT_TOKENS = 7
+MALFORMED_VARIANTS = (
+    "not_json",  # body is not JSON at all
+    "no_choices",  # object without `choices`
+    "empty_choices",  # `choices: []`
+    "choices_not_list",  # `choices: {...}`
+    "choice_not_object",  # `choices: ["text"]`
+    "no_message",  # a choice without `message` / `text`
+    "wrong_types",  # `message.content` is a number
+    "array_body",  # the body is a JSON array
+    # repairable (the gateway fixes these and answers 200):
+    "missing_index",
+    "missing_finish_reason",
+    "tool_calls_no_content",
+)
+
+
+@dataclass
+class Behavior:
+    mode: str = "normal"
+    status: int = 200
+    retry_after: str | None = None
+    ttft_s: float = 0.0
+    inter_token_s: float = 0.0
+    num_chunks: int = 3
+    cut_after: int = 1
+    variant: str = ""
+    content: str = "Hello from the fake upstream"
+
+
+@dataclass
+class RecordedRequest:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: Any
+    received_at: float = field(default_factory=time.monotonic)
+
+
+class FakeUpstream:
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host = host
+        self.port = port
+        self.default = Behavior()
+        self.requests: list[RecordedRequest] = []
+        self.num_open_streams = 0
+        self.num_streams_aborted = 0
+        self.num_streams_completed = 0
+        self.num_connections = 0
+        self.is_recording = True
+        self._queue: deque[Behavior] = deque()
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    # --- control (thread-safe) ---------------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def behave(self, behavior: Behavior | None = None, **fields: Any) -> FakeUpstream:
+        self.default = behavior or Behavior(**fields)
+        return self
+
+    def queue(self, *behaviors: Behavior) -> FakeUpstream:
+        with self._lock:
+            self._queue.extend(behaviors)
+        return self
+
+    def reset(self) -> None:
+        with self._lock:
+            self._queue.clear()
+            self.requests.clear()
+        self.default = Behavior()
+        self.num_streams_aborted = self.num_streams_completed = 0
+
+    def start(self) -> FakeUpstream:
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="fake-upstream", daemon=True)
+        self._thread.start()
+        if not ready.wait(10):
+            raise RuntimeError("fake upstream did not start")
+        return self
+
+    def stop(self) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(5)
+        self._loop = None
+
+    def __enter__(self) -> FakeUpstream:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- server ------------------------------------------------------------------------------------------------
+
+    def _run(self, ready: threading.Event) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        server = loop.run_until_complete(asyncio.start_server(self._handle, self.host, self.port, backlog=1024))
+        self._server = server
+        self.port = server.sockets[0].getsockname()[1]
+        ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            server.close()
+            for task in asyncio.all_tasks(loop):
+                task.cancel()
+            with contextlib.suppress(Exception):
+                loop.run_until_complete(asyncio.sleep(0))
+            loop.close()
+
+    def _next_behavior(self) -> Behavior:
+        with self._lock:
+            return self._queue.popleft() if self._queue else self.default
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.num_connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                request_line, *header_lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = request_line.split(" ", 2)
+                headers: dict[str, str] = {}
+                for line in header_lines:
+                    if line:
+                        name, _, value = line.partition(":")
+                        headers[name.strip().lower()] = value.strip()
+                length = int(headers.get("content-length", "0"))
+                raw = await reader.readexactly(length) if length else b""
+                try:
+                    body = orjson.loads(raw) if raw else None
+                except orjson.JSONDecodeError:
+                    body = raw
+                if self.is_recording:
+                    self.requests.append(RecordedRequest(method, path, headers, body))
+                is_open = await self._respond(reader, writer, method, path, body)
+                if not is_open:
+                    return
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ValueError):
+            return
+        finally:
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    async def _respond(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, method: str, path: str, body: Any
+    ) -> bool:
+        if method == "GET":
+            _write(writer, 200, orjson.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]}))
+            return True
+        behavior = self._next_behavior()
+        if behavior.ttft_s:
+            await asyncio.sleep(behavior.ttft_s)
+        request = body if isinstance(body, dict) else {}
+        endpoint = _endpoint(path)
+        mode = behavior.mode
+        if mode == "drop":
+            writer.transport.abort()
+            return False
+        if mode == "status":
+            return self._write_status(writer, behavior)
+        if mode == "html":
+            page = b"<html><body><h1>502 Bad Gateway</h1>nginx</body></html>"
+            _write(writer, 200, page, content_type="text/html")
+            return True
+        if mode == "malformed":
+            _write(writer, 200, _malformed_body(behavior.variant, request))
+            return True
+        if request.get("stream") and endpoint != "embeddings":
+            return await self._stream(reader, writer, behavior, request, endpoint)
+        _write(writer, 200, orjson.dumps(_response(endpoint, request, behavior)))
+        return True
+
+    def _write_status(self, writer: asyncio.StreamWriter, behavior: Behavior) -> bool:
+        error = {"message": f"fake upstream error {behavior.status}", "type": "api_error", "code": None}
+        if behavior.status == 401:
+            error["message"] = "Incorrect API key provided: sk-upstr********cret."
+        extra = {"retry-after": behavior.retry_after} if behavior.retry_after else {}
+        _write(writer, behavior.status, orjson.dumps({"error": error}), extra_headers=extra)
+        return True
+
+    async def _stream(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        behavior: Behavior,
+        request: dict[str, Any],
+        endpoint: str,
+    ) -> bool:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+            b"cache-control: no-cache\r\n\r\n"
+        )
+        self.num_open_streams += 1
+        client_gone = asyncio.ensure_future(reader.read(1))  # b"" = EOF: the client closed the connection
+        is_complete = is_aborted = False
+        try:
+            for index, event in enumerate(_events(endpoint, request, behavior)):
+                if index and behavior.inter_token_s:
+                    await asyncio.wait((client_gone,), timeout=behavior.inter_token_s)
+                if client_gone.done():
+                    is_aborted = True
+                    return False
+                if event is None:  # the cut point of stream_cut
+                    writer.transport.abort()
+                    return False
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            is_complete = True
+            return True
+        except ConnectionError:
+            is_aborted = True
+            return False
+        finally:
+            self.num_open_streams -= 1
+            self.num_streams_completed += int(is_complete)
+            self.num_streams_aborted += int(is_aborted)
+            client_gone.cancel()
+            with contextlib.suppress(BaseException):
+                await client_gone  # let the reader settle before it reads the next request
+
+
+def _endpoint(path: str) -> str:
+    path = path.split("?", 1)[0]
+    if path.endswith("/embeddings"):
+        return "embeddings"
+    if path.endswith("/completions") and not path.endswith("/chat/completions"):
+        return "completions"
+    return "chat"
+
+
+def _write(
+    writer: asyncio.StreamWriter,
+    status: int,
+    body: bytes,
+    *,
+    content_type: str = "application/json",
+    extra_headers: dict[str, str] | None = None,
+) -> None:
+    lines = [f"HTTP/1.1 {status} X", f"content-type: {content_type}", f"content-length: {len(body)}"]
+    lines.extend(f"{k}: {v}" for k, v in (extra_headers or {}).items())
+    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
+
+
+def _usage(behavior: Behavior) -> dict[str, int]:
+    return {
+        "prompt_tokens": PROMPT_TOKENS,
+        "completion_tokens": behavior.num_chunks,
+        "total_tokens": PROMPT_TOKENS + behavior.num_chunks,
+    }
+
+
+def _response(endpoint: str, request: dict[str, Any], behavior: Behavior) -> dict[str, Any]:
+    model = request.get("model", "fake")
+    if endpoint == "embeddings":
+        inputs = request.get("input")
+        count = len(inputs) if isinstance(inputs, list) else 1
+        data = [{"object": "embedding", "index": i, "embedding": [0.1, 0.2, 0.3]} for i in range(count)]
+        usage = {"prompt_tokens": PROMPT_TOKENS, "total_tokens": PROMPT_TOKENS}
+        return {"object": "list", "data": data, "model": model, "usage": usage}
+    if endpoint == "completions":
+        choice: dict[str, Any] = {"index": 0, "text": behavior.content, "finish_reason": "stop", "logprobs": None}
+        kind = "text_completion"
+    else:
+        message = {"role": "assistant", "content": behavior.content}
+        choice = {"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}
+        kind = "chat.completion"
+    return {
+        "id": "fake-1",
+        "object": kind,
+        "created": 0,
+        "model": model,
+        "choices": [choice],
+        "usage": _usage(behavior),
+    }
+
+
+def _chunk(endpoint: str, model: str, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+    kind = "text_completion" if endpoint == "completions" else "chat.completion.chunk"
+    chunk = {"id": "fake-1", "object": kind, "created": 0, "model": model, "choices": choices, **extra}
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+def _events(endpoint: str, request: dict[str, Any], behavior: Behavior) -> list[bytes | None]:
+    model = request.get("model", "fake")
+    is_chat = endpoint != "completions"
+    events: list[bytes | None] = []
+    if is_chat:
+        events.append(_chunk(endpoint, model, [{"index": 0, "delta": {"role": "assistant", "content": ""}}]))
+    for i in range(behavior.num_chunks):
+        piece = {"index": 0, "delta": {"content": f"t{i} "}} if is_chat else {"index": 0, "text": f"t{i} "}
+        events.append(_chunk(endpoint, model, [{**piece, "finish_reason": None}]))
+    finish = {"index": 0, "delta": {}} if is_chat else {"index": 0, "text": ""}
+    events.append(_chunk(endpoint, model, [{**finish, "finish_reason": "stop"}]))
+    options = request.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage"):
+        events.append(_chunk(endpoint, model, [], usage=_usage(behavior)))
+    events.append(b"data: [DONE]\n\n")
+    if behavior.mode == "stream_cut":
+        return [*events[: behavior.cut_after], None]
+    if behavior.mode == "malformed_chunk":
+        broken = {
+            "not_json": b"data: {not json\n\n",
+            "no_delta": _chunk(endpoint, model, [{"index": 0}]),
+            "choices_not_list": _chunk(endpoint, model, {"index": 0}),  # type: ignore[arg-type]
+        }[behavior.variant or "not_json"]
+        return [*events[: behavior.cut_after], broken, b"data: [DONE]\n\n"]
+    if behavior.mode == "error_chunk":
+        error = b'data: {"error": {"message": "overloaded mid-stream", "type": "server_error"}}\n\n'
+        return [*events[: behavior.cut_after], error]
+    return events
+
+
+def _malformed_body(variant: str, request: dict[str, Any]) -> bytes:
+    good = _response("chat", request, Behavior())
+    body: Any = copy.deepcopy(good)
+    choice = body["choices"][0]
+    if variant == "not_json":
+        return b"upstream says: everything is fine"
+    if variant == "no_choices":
+        del body["choices"]
+    elif variant == "empty_choices":
+        body["choices"] = []
+    elif variant == "choices_not_list":
+        body["choices"] = choice
+    elif variant == "choice_not_object":
+        body["choices"] = ["hello"]
+    elif variant == "no_message":
+        del choice["message"]
+    elif variant == "wrong_types":
+        choice["message"]["content"] = 42
+    elif variant == "array_body":
+        body = [good]
+    elif variant == "missing_index":
+        del choice["index"]
+    elif variant == "missing_finish_reason":
+        del choice["finish_reason"]
+    elif variant == "tool_calls_no_content":
+        del choice["message"]["content"]
+        call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        choice["message"]["tool_calls"] = [call]
+        choice["finish_reason"] = "tool_calls"
+    else:
+        raise ValueError(f"unknown malformed variant {variant!r}")
+    return orjson.dumps(body)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run the fake OpenAI-compatible upstream.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--uvloop", action="store_true", help="use uvloop (benchmarks)")
+    args = parser.parse_args()
+    if args.uvloop:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    upstream = FakeUpstream(host=args.host, port=args.port)
+    upstream.is_recording = False
+    upstream.start()
+    print(f"fake upstream on {upstream.base_url}", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        upstream.stop()
+
+
+if __name__ == "__main__":
+    main()

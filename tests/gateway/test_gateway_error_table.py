@@ -1,0 +1,238 @@
+"""Every row of the error table, through the real app and a real (misbehaving) upstream over loopback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from fakes.app import AUTH, CHAT, MASTER, asgi_client, build_app, make_settings, single_model
+from fakes.upstream import MALFORMED_VARIANTS, Behavior, FakeUpstream
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.app import create_app
+from gateway.routing_config import parse_routing
+
+SECRET = "sk-upstream-SECRET-123"
+
+
+def assert_envelope(response: httpx.Response, status: int, code: str, *, param: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code
+    assert error["param"] == param
+    assert SECRET not in response.text and "127.0.0.1" not in response.text and "Traceback" not in response.text
+    assert response.headers["x-request-id"]
+    return error  # type: ignore[no-any-return]
+
+
+async def post(upstream: FakeUpstream, body: Any = None, headers: Any = None, **request: Any) -> httpx.Response:
+    app = build_app(single_model(upstream, router={"num_retries": 0}))
+    async with asgi_client(app) as client:
+        return await client.post("/v1/chat/completions", json=body or CHAT, headers=headers or AUTH, **request)
+
+
+@pytest.mark.parametrize(
+    ("headers", "code", "says"),
+    [
+        ({}, "missing_api_key", "No API key"),
+        ({"authorization": MASTER}, "invalid_auth_header", "no 'Bearer ' prefix"),
+        ({"authorization": "Bearer "}, "invalid_auth_header", "followed by no key"),
+        ({"authorization": "Bearer sk-proj-abcdef"}, "invalid_api_key", "start with 'sk-ug-'"),
+        ({"authorization": "Bearer sk-ug-nope"}, "invalid_api_key", "no such key"),
+    ],
+)
+async def test_auth_failures_say_which(
+    fake_upstream: FakeUpstream, headers: dict[str, str], code: str, says: str
+) -> None:
+    error = assert_envelope(await post(fake_upstream, headers=headers or {"x-other": "1"}), 401, code)
+    assert says in error["message"]
+    assert fake_upstream.requests == []
+
+
+async def test_unknown_model_lists_close_matches(fake_upstream: FakeUpstream) -> None:
+    response = await post(fake_upstream, {**CHAT, "model": "gpt-tset"})
+    error = assert_envelope(response, 404, "model_not_found", param="model")
+    assert "'gpt-test'" in error["message"]
+
+
+async def test_unknown_model_with_bad_key_is_401_not_404(fake_upstream: FakeUpstream) -> None:
+    response = await post(fake_upstream, {**CHAT, "model": "nope"}, headers={"authorization": "Bearer sk-ug-bad"})
+    assert_envelope(response, 401, "invalid_api_key")
+
+
+async def test_invalid_json_gives_position(fake_upstream: FakeUpstream) -> None:
+    response = await post(fake_upstream, headers={**AUTH, "content-type": "application/json"}, content=b'{"model": }')
+    error = assert_envelope(response, 400, "invalid_json")
+    assert "line 1, column 11" in error["message"] and "character 10" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": CHAT["messages"]}, "model"),
+        ({**CHAT, "model": 42}, "model"),
+        ({"model": "gpt-test"}, "messages"),
+        ({**CHAT, "messages": []}, "messages"),
+        ({**CHAT, "messages": "hi"}, "messages"),
+        ({**CHAT, "messages": [{"content": "no role"}]}, "messages[0].role"),
+        ({**CHAT, "max_tokens": 0}, "max_tokens"),
+        ({**CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
+        ({**CHAT, "max_tokens": "ten"}, "max_tokens"),
+        ({**CHAT, "stream": "yes"}, "stream"),
+    ],
+)
+async def test_invalid_fields_name_the_param(fake_upstream: FakeUpstream, body: dict[str, Any], param: str) -> None:
+    assert_envelope(await post(fake_upstream, body), 400, "invalid_request", param=param)
+    assert fake_upstream.requests == []
+
+
+async def test_non_object_body(fake_upstream: FakeUpstream) -> None:
+    assert_envelope(await post(fake_upstream, [1, 2]), 400, "invalid_json")
+
+
+async def test_body_over_limit_is_413(fake_upstream: FakeUpstream) -> None:
+    app = build_app(single_model(fake_upstream), max_body_bytes=1000)
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * 2000}]}
+    async with asgi_client(app) as client:
+        assert_envelope(await client.post("/v1/chat/completions", json=big, headers=AUTH), 413, "body_too_large")
+
+        # without Content-Length (chunked upload) the limit holds while reading
+        async def chunks() -> Any:
+            for _ in range(5):
+                yield b"x" * 400
+
+        response = await client.post("/v1/chat/completions", content=chunks(), headers=AUTH)
+        assert_envelope(response, 413, "body_too_large")
+
+
+@pytest.mark.parametrize(
+    ("behavior", "status", "code"),
+    [
+        (Behavior(mode="status", status=401), 502, "upstream_auth_failed"),
+        (Behavior(mode="status", status=403), 502, "upstream_auth_failed"),
+        (Behavior(mode="status", status=500), 502, "upstream_error"),
+        (Behavior(mode="status", status=503), 502, "upstream_error"),
+        (Behavior(mode="status", status=404), 502, "upstream_error"),
+        (Behavior(mode="status", status=400), 400, "invalid_request"),
+        (Behavior(mode="drop"), 502, "upstream_error"),
+        (Behavior(mode="html"), 502, "upstream_malformed_response"),
+    ],
+)
+async def test_upstream_failures_map_to_codes(
+    fake_upstream: FakeUpstream, behavior: Behavior, status: int, code: str
+) -> None:
+    fake_upstream.behave(behavior)
+    error = assert_envelope(await post(fake_upstream), status, code)
+    if code == "upstream_auth_failed":
+        assert "not about your API key" in error["message"]
+    if behavior.mode == "html":
+        assert "HTML" in error["message"]
+
+
+async def test_upstream_429_passes_retry_after(fake_upstream: FakeUpstream) -> None:
+    fake_upstream.behave(mode="status", status=429, retry_after="7")
+    response = await post(fake_upstream)
+    assert_envelope(response, 429, "upstream_rate_limited")
+    assert response.headers["retry-after"] == "7"
+
+
+async def test_unreachable_upstream(fake_upstream: FakeUpstream) -> None:
+    fake_upstream.stop()
+    assert_envelope(await post(fake_upstream), 502, "upstream_unreachable")
+
+
+async def test_upstream_timeout_is_504(fake_upstream: FakeUpstream) -> None:
+    fake_upstream.behave(mode="slow", ttft_s=2)
+    app = build_app(single_model(fake_upstream, timeout_s=0.2, router={"num_retries": 0}))
+    async with asgi_client(app) as client:
+        response = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    error = assert_envelope(response, 504, "upstream_timeout")
+    assert "timeout_s" in error["message"]
+
+
+@pytest.mark.parametrize("variant", [v for v in MALFORMED_VARIANTS if not v.startswith(("missing_", "tool_calls"))])
+async def test_malformed_bodies_are_502_saying_what(fake_upstream: FakeUpstream, variant: str) -> None:
+    fake_upstream.behave(mode="malformed", variant=variant)
+    error = assert_envelope(await post(fake_upstream), 502, "upstream_malformed_response")
+    expected = {
+        "not_json": "not JSON",
+        "no_choices": "no `choices`",
+        "empty_choices": "`choices` is empty",
+        "choices_not_list": "not a list",
+        "choice_not_object": "`choices[0]` is a str",
+        "no_message": "has no `message`",
+        "wrong_types": "`choices[0].message.content` is a int",
+        "array_body": "JSON list",
+    }[variant]
+    assert expected in error["message"]
+
+
+async def test_repairable_bodies_are_repaired(fake_upstream: FakeUpstream) -> None:
+    app = build_app(single_model(fake_upstream))
+    async with asgi_client(app) as client:
+        fake_upstream.behave(mode="malformed", variant="missing_index")
+        assert (await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)).json()["choices"][0]["index"] == 0
+        fake_upstream.behave(mode="malformed", variant="missing_finish_reason")
+        choice = (await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)).json()["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        fake_upstream.behave(mode="malformed", variant="tool_calls_no_content")
+        message = (await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)).json()["choices"][0]["message"]
+        assert message["content"] is None and message["tool_calls"][0]["id"] == "call_1"
+
+
+class ExplodingBackend:
+    name = "gpt-test#0"
+
+    def supports(self, endpoint: str) -> bool:
+        return True
+
+    async def send(self, endpoint: str, body: Any, *, request_id: str) -> Any:
+        raise RuntimeError("secret internal detail /etc/passwd")
+
+    async def check_health(self) -> bool:
+        return True
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_unknown_exception_is_500_without_traceback(fake_upstream: FakeUpstream) -> None:
+    app = build_app(single_model(fake_upstream), backends={"gpt-test#0": ExplodingBackend()})
+    async with asgi_client(app) as client:
+        response = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    error = assert_envelope(response, 500, "internal_error")
+    assert "secret internal detail" not in response.text
+    assert response.headers["x-request-id"] in error["message"]
+
+
+async def test_anthropic_family_gets_anthropic_envelope(fake_upstream: FakeUpstream) -> None:
+    async def messages(request: Request) -> Response:
+        from auth.base import extract_credential
+
+        extract_credential(request.headers)
+        return Response("unreachable")
+
+    app = create_app(
+        make_settings(),
+        routing=parse_routing(single_model(fake_upstream), source="t"),
+        extra_routes=[Route("/v1/messages/_probe", messages, methods=["POST"])],
+    )
+    async with asgi_client(app) as client:
+        response = await client.post("/v1/messages/_probe", json={})
+    assert response.status_code == 401
+    body = response.json()
+    assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
+    assert body["error"]["code"] == "missing_api_key"
+    assert response.headers["request-id"] == response.headers["x-request-id"]
+
+
+async def test_unknown_route_and_method_use_the_envelope(fake_upstream: FakeUpstream) -> None:
+    async with asgi_client(build_app(single_model(fake_upstream))) as client:
+        missing = await client.post("/v1/nothing/here", json={}, headers=AUTH)
+        assert_envelope(missing, 404, "not_found")
+        wrong = await client.get("/v1/chat/completions", headers=AUTH)
+        assert_envelope(wrong, 405, "method_not_allowed")
