@@ -51,11 +51,18 @@ async def test_retry_moves_to_the_other_deployment(fake_upstream_factory: Any) -
     a, b = fake_upstream_factory(), fake_upstream_factory()
     a.behave(mode="drop")
     async with asgi_client(build_app(two_deployments(a, b))) as client:
+        # The pick among idle deployments is random: send until `a` has failed max_fails=2 times.
+        for num_sent in range(1, 41):
+            response = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+            assert response.status_code == 200  # every failure on `a` was retried on `b`
+            if len(a.requests) == 2:
+                break
+        assert len(a.requests) == 2 and len(b.requests) == num_sent
         for _ in range(4):
             response = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
             assert response.status_code == 200
-    assert len(b.requests) == 4
-    assert len(a.requests) == 2  # after max_fails=2 failures, `a` cooled down and saw nothing more
+    assert len(b.requests) == num_sent + 4
+    assert len(a.requests) == 2  # `a` cooled down and saw nothing more
 
 
 async def test_fallback_model_after_retries(fake_upstream_factory: Any) -> None:
