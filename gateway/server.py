@@ -41,7 +41,7 @@ def build_app(settings: Settings) -> Starlette:
     from auth.store import KeyStore
     from gateway.routes.admin import admin_routes
 
-    connection = RedisConnection(settings.redis_url, settings.data_dir)
+    connection = RedisConnection(settings.redis_url, settings.data_dir, timeout_s=settings.limits.redis_timeout_s)
     redis = connection.start()
     master_key = resolve_master_key(settings)
     access = RedisAccess(redis, settings=settings, master_key=master_key)

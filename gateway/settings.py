@@ -40,6 +40,7 @@ class LimitSettings(BaseModel):
     key_cache_ttl_s: float = 5.0  # verified keys cached in-process this long (revocation still propagates in < 1 s)
     default_max_tokens: int = 1024  # completion-token reservation when a request sets no max_tokens
     lease_ttl_s: float = 600.0  # concurrency/upstream leases expire after this, so a crashed instance leaks nothing
+    redis_timeout_s: float = 2.0  # socket/connect timeout per Redis call: a dead Redis fails fast, never hangs
     pool_timeout_s: float = 10.0  # how long a request waits for an upstream slot (max_in_flight) before 503
 
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fakes.fixtures import fake_upstream, fake_upstream_factory, gateway_server  # noqa: F401
 from fakes.net import free_port
 
 
