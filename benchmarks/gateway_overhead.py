@@ -82,8 +82,8 @@ async def one_request(session: aiohttp.ClientSession, url: str, *, stream: bool)
         return first
 
 
-async def load(url: str, *, concurrency: int, seconds: float, stream: bool) -> Result:
-    headers = {"authorization": f"Bearer {MASTER_KEY}", "content-type": "application/json"}
+async def load(url: str, *, concurrency: int, seconds: float, stream: bool, api_key: str = MASTER_KEY) -> Result:
+    headers = {"authorization": f"Bearer {api_key}", "content-type": "application/json"}
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
     latencies: list[float] = []
     num_errors = 0
@@ -142,6 +142,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--concurrency", default="1,32,128")
     parser.add_argument("--hold", action="store_true", help="only start the processes and wait (for profiling)")
+    parser.add_argument(
+        "--limits",
+        action="store_true",
+        help="also measure with a unified key that has RPM/TPM/concurrency limits (auth + Redis limits on)",
+    )
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,7 +155,8 @@ def main() -> None:
             if args.hold:
                 print(f"direct: {direct_url}\ngateway: {gateway_url}\n(ctrl-c to stop)", flush=True)
                 signal.pause()
-            rows = uvloop.run(run_all(levels, args.seconds, direct_url, gateway_url))
+            limited_key = create_limited_key(gateway_url) if args.limits else None
+            rows = uvloop.run(run_all(levels, args.seconds, direct_url, gateway_url, limited_key))
         finally:
             for process in processes:
                 process.send_signal(signal.SIGINT)
@@ -159,28 +165,45 @@ def main() -> None:
     print_table(rows)
 
 
+def create_limited_key(gateway_url: str) -> str:
+    """A unified key whose limits are never reached, so every request runs the full admit/settle Lua path."""
+    import httpx
+
+    admin = gateway_url.replace("/v1/chat/completions", "/admin/keys")
+    body = {"name": "bench", "rpm": 10**9, "tpm": 10**12, "max_concurrent": 100_000, "token_budget": 10**15}
+    response = httpx.post(admin, json=body, headers={"authorization": f"Bearer {MASTER_KEY}"})
+    response.raise_for_status()
+    return str(response.json()["key"])
+
+
 async def run_all(
-    levels: list[int], seconds: float, direct_url: str, gateway_url: str
+    levels: list[int], seconds: float, direct_url: str, gateway_url: str, limited_key: str | None
 ) -> list[tuple[str, int, Result, Result]]:
     rows = []
     for stream in (False, True):
+        mode = "stream TTFT" if stream else "non-stream"
         for concurrency in levels:
             direct = await load(direct_url, concurrency=concurrency, seconds=seconds, stream=stream)
             through = await load(gateway_url, concurrency=concurrency, seconds=seconds, stream=stream)
-            rows.append(("stream TTFT" if stream else "non-stream", concurrency, direct, through))
+            rows.append((mode, concurrency, direct, through))
+            if limited_key is not None:
+                limited = await load(
+                    gateway_url, concurrency=concurrency, seconds=seconds, stream=stream, api_key=limited_key
+                )
+                rows.append((f"{mode}+limits", concurrency, direct, limited))
     return rows
 
 
 def print_table(rows: list[tuple[str, int, Result, Result]]) -> None:
     header = (
-        f"{'mode':<12} {'c':>4} | {'direct req/s':>12} {'p50 ms':>8} {'p99 ms':>8} | "
+        f"{'mode':<18} {'c':>4} | {'direct req/s':>12} {'p50 ms':>8} {'p99 ms':>8} | "
         f"{'gateway req/s':>13} {'p50 ms':>8} {'p99 ms':>8} | {'added p50 ms':>12} {'added p99 ms':>12} {'errors':>6}"
     )
     print(header)
     print("-" * len(header))
     for mode, concurrency, direct, through in rows:
         print(
-            f"{mode:<12} {concurrency:>4} | {direct.rps:>12.0f} {direct.percentile(0.5):>8.2f} "
+            f"{mode:<18} {concurrency:>4} | {direct.rps:>12.0f} {direct.percentile(0.5):>8.2f} "
             f"{direct.percentile(0.99):>8.2f} | {through.rps:>13.0f} {through.percentile(0.5):>8.2f} "
             f"{through.percentile(0.99):>8.2f} | {through.percentile(0.5) - direct.percentile(0.5):>12.2f} "
             f"{through.percentile(0.99) - direct.percentile(0.99):>12.2f} {direct.num_errors + through.num_errors:>6}"
