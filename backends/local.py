@@ -1,0 +1,533 @@
+"""The local engine as a backend: OpenAI chat and text completions served by `local_engine.AsyncEngine`.
+
+The model loads in a background thread when the backend is built, so start-up is not blocked; requests wait
+for it and `/health/ready` (via `check_health`) turns true once it is serving. Responses, chunks, usage and
+logprobs follow OpenAI's shapes; engine failures surface as `gateway.errors` types. Closing a stream early
+aborts its engine requests, which frees their KV blocks within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from backends.base import Endpoint, Json
+from gateway.errors import EngineError, GatewayError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from gateway.settings import Settings
+    from local_engine.async_engine import AsyncEngine
+    from local_engine.output_processor import CompletionOutput, RequestOutput, TokenLogprob
+    from local_engine.sampling_params import SamplingParams
+
+__all__ = ["LocalBackend"]
+
+logger = logging.getLogger("unigate.engine")
+
+_NATIVE: frozenset[str] = frozenset({"chat/completions", "completions"})
+# OpenAI fields this engine cannot honour: refused with a clear 400 rather than silently ignored.
+_UNSUPPORTED = ("logit_bias", "suffix", "functions", "audio", "prediction")
+
+
+class LocalBackend:
+    """One `type: local` deployment: a model served in this process."""
+
+    def __init__(self, name: str, load: Callable[[], AsyncEngine], *, model_id: str | None = None) -> None:
+        self.name = name
+        self.model_id = model_id or name
+        self._ids = itertools.count()
+        self._engine: AsyncEngine | None = None
+        self._closed = False
+        self._token_texts: dict[int, tuple[str, list[int]]] = {}
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="unigate-engine-load")
+        self._loading = self._executor.submit(self._load, load)
+        self._executor.shutdown(wait=False)
+
+    @classmethod
+    def from_config(cls, deployment: Any, settings: Settings) -> LocalBackend:
+        """`deployment.model_path` (None = the bundled SmolLM2), engine options from `settings.engine`, converted
+        weights cached under `settings.data_dir / "models"`."""
+        engine_settings = settings.engine
+        cache_dir = settings.data_dir / "models"
+        model_path = getattr(deployment, "model_path", None) or engine_settings.model_path
+
+        def load() -> AsyncEngine:
+            import torch
+
+            from local_engine.async_engine import AsyncEngine
+            from local_engine.config import EngineConfig
+            from local_engine.engine import LLMEngine
+            from local_engine.loader import bundled_model_path, load_checkpoint
+            from local_engine.model_runner import TORCH_DTYPES
+
+            config = EngineConfig.from_settings(engine_settings)
+            device = config.resolved_device(torch.cuda.is_available())
+            dtype = TORCH_DTYPES[config.resolved_dtype(device)]
+            checkpoint = load_checkpoint(model_path or bundled_model_path(), cache_dir=cache_dir, dtype=dtype)
+            return AsyncEngine(LLMEngine.from_checkpoint(checkpoint, config))
+
+        return cls(deployment.name, load, model_id=getattr(deployment, "id", None) or engine_settings.model_id)
+
+    def _load(self, load: Callable[[], AsyncEngine]) -> AsyncEngine:
+        started = time.perf_counter()
+        engine = load()
+        if self._closed:
+            engine.stop()
+            raise EngineError("the local engine was closed while loading")
+        self._engine = engine
+        logger.info(
+            "local engine %s serving after %.1fs: %s",
+            self.name,
+            time.perf_counter() - started,
+            engine.engine.capacity.as_dict(),
+        )
+        return engine
+
+    async def _ready(self) -> AsyncEngine:
+        if self._engine is not None:
+            return self._engine
+        try:
+            return await asyncio.wrap_future(self._loading)
+        except GatewayError:
+            raise
+        except Exception as exc:
+            raise EngineError(f"The local model failed to load ({type(exc).__name__}: {exc}).") from exc
+
+    # -- Backend protocol ---------------------------------------------------------------------------------------
+
+    def supports(self, endpoint: Endpoint) -> bool:
+        return endpoint in _NATIVE
+
+    async def send(self, endpoint: Endpoint, body: Json, *, request_id: str) -> Json:
+        engine = await self._ready()
+        request = self._parse(engine, endpoint, body)
+        streams = [engine.generate(ids, request.params, f"{request_id}-{next(self._ids)}") for ids in request.prompts]
+        deltas: list[list[RequestOutput]] = [[] for _ in streams]
+        try:
+            async for prompt_index, delta in _merge(streams):
+                deltas[prompt_index].append(delta)
+        except ValueError as exc:
+            raise _invalid(exc, endpoint) from None
+        except RuntimeError as exc:
+            raise EngineError(f"The local engine failed: {exc}") from None
+        finally:
+            for stream in streams:  # cancelled mid-way (caller gone): abort what is still running
+                await stream.aclose()
+        usage = _Usage()
+        choices = []
+        for prompt_index, prompt_deltas in enumerate(deltas):
+            usage.add_prompt(prompt_deltas)
+            for out in _accumulate(prompt_deltas, request.params.n):
+                usage.completion_tokens += len(out.token_ids)
+                choices.append(request.choice(self, prompt_index, out))
+        return request.response(choices, usage.as_dict(), request_id)
+
+    async def stream(self, endpoint: Endpoint, body: Json, *, request_id: str) -> AsyncIterator[Json]:
+        engine = await self._ready()
+        request = self._parse(engine, endpoint, body)
+        streams = [engine.generate(ids, request.params, f"{request_id}-{next(self._ids)}") for ids in request.prompts]
+        usage = _Usage()
+        started: set[int] = set()
+        try:
+            async for prompt_index, delta in _merge(streams):
+                usage.add_prompt([delta])
+                for out in delta.outputs:
+                    usage.completion_tokens += len(out.token_ids)
+                    index = prompt_index * request.params.n + out.index
+                    if request.is_chat and index not in started:
+                        started.add(index)
+                        yield request.chunk(
+                            request_id,
+                            [
+                                {
+                                    "index": index,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ],
+                        )
+                    if out.text or out.finish_reason or out.logprobs:
+                        yield request.chunk(request_id, [request.delta_choice(self, index, out)])
+            if request.include_usage:
+                yield request.chunk(request_id, [], usage=usage.as_dict())
+        except ValueError as exc:
+            raise _invalid(exc, endpoint) from None
+        except RuntimeError as exc:
+            raise EngineError(f"The local engine failed: {exc}") from None
+        finally:
+            for stream in streams:
+                await stream.aclose()
+
+    async def check_health(self) -> bool:
+        return self._engine is not None and self._engine.is_healthy
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._engine is not None:
+            await self._engine.shutdown()
+
+    def token_text(self, token_id: int) -> tuple[str, list[int]]:
+        """(text, exact UTF-8 bytes) of one token, for logprobs; a token holding part of a character shows
+        U+FFFD in its text while `bytes` stays exact, as OpenAI reports it."""
+        cached = self._token_texts.get(token_id)
+        if cached is None:
+            engine = self._engine
+            assert engine is not None and engine.engine.tokenizer is not None
+            raw = _token_bytes(engine.engine.tokenizer, token_id)
+            cached = self._token_texts[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return cached
+
+    def stats(self) -> dict[str, Any]:
+        """Engine stats for /metrics and GET /admin/engine (`loaded: false` while the model is loading)."""
+        if self._engine is None:
+            failed = self._loading.done() and self._loading.exception() is not None
+            return {"name": self.name, "loaded": False, "load_failed": failed}
+        return {"name": self.name, "loaded": True, "healthy": self._engine.is_healthy, **self._engine.stats()}
+
+    # -- requests -----------------------------------------------------------------------------------------------
+
+    def _parse(self, engine: AsyncEngine, endpoint: Endpoint, body: Json) -> _Request:
+        if endpoint not in _NATIVE:
+            raise InvalidRequestError(f"The local engine does not serve /v1/{endpoint}.", code="unsupported_endpoint")
+        for name in _UNSUPPORTED:
+            if body.get(name) is not None:
+                raise InvalidRequestError(f"`{name}` is not supported by the local engine; remove it.", param=name)
+        is_chat = endpoint == "chat/completions"
+        tokenizer = engine.engine.tokenizer
+        if tokenizer is None:
+            raise EngineError("This local model has no tokenizer; it cannot serve OpenAI requests.")
+        prompts = _chat_prompt(tokenizer, body) if is_chat else _text_prompts(tokenizer, body)
+        try:
+            params = _sampling_params(body, is_chat)
+            for ids in prompts:
+                engine.validate(ids, params)
+        except ValueError as exc:
+            raise _invalid(exc, endpoint) from None
+        return _Request(is_chat, prompts, params, body, self.model_id, prompt_texts=_prompt_texts(tokenizer, body))
+
+
+class _Usage:
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self._seen: set[str] = set()
+
+    def add_prompt(self, deltas: list[RequestOutput]) -> None:
+        for delta in deltas:
+            if delta.request_id not in self._seen:
+                self._seen.add(delta.request_id)
+                self.prompt_tokens += delta.num_prompt_tokens
+            if delta.finished:
+                self.cached_tokens += delta.num_cached_tokens
+
+    def as_dict(self) -> Json:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+class _Request:
+    """One parsed request and how to shape its responses."""
+
+    def __init__(
+        self,
+        is_chat: bool,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        body: Json,
+        model_id: str,
+        *,
+        prompt_texts: list[str] | None,
+    ) -> None:
+        self.is_chat = is_chat
+        self.prompts = prompts
+        self.params = params
+        self.model = str(body.get("model") or model_id)
+        self.created = int(time.time())
+        options = body.get("stream_options") or {}
+        self.include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
+        self.echo = bool(body.get("echo")) and not is_chat
+        self.prompt_texts = prompt_texts or []
+
+    @property
+    def object_prefix(self) -> str:
+        return "chatcmpl" if self.is_chat else "cmpl"
+
+    def choice(self, backend: LocalBackend, prompt_index: int, out: CompletionOutput) -> Json:
+        index = prompt_index * self.params.n + out.index
+        if self.is_chat:
+            return {
+                "index": index,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": _chat_logprobs(backend, out.logprobs),
+                "finish_reason": out.finish_reason,
+            }
+        text = out.text
+        if self.echo and prompt_index < len(self.prompt_texts):
+            text = self.prompt_texts[prompt_index] + text
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": _text_logprobs(backend, out.logprobs),
+            "finish_reason": out.finish_reason,
+        }
+
+    def delta_choice(self, backend: LocalBackend, index: int, out: CompletionOutput) -> Json:
+        if self.is_chat:
+            delta: Json = {"content": out.text} if out.text else {}
+            return {
+                "index": index,
+                "delta": delta,
+                "logprobs": _chat_logprobs(backend, out.logprobs),
+                "finish_reason": out.finish_reason,
+            }
+        return {
+            "index": index,
+            "text": out.text,
+            "logprobs": _text_logprobs(backend, out.logprobs),
+            "finish_reason": out.finish_reason,
+        }
+
+    def response(self, choices: list[Json], usage: Json, request_id: str) -> Json:
+        return {
+            "id": f"{self.object_prefix}-{request_id}",
+            "object": "chat.completion" if self.is_chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+        }
+
+    def chunk(self, request_id: str, choices: list[Json], usage: Json | None = None) -> Json:
+        chunk: Json = {
+            "id": f"{self.object_prefix}-{request_id}",
+            "object": "chat.completion.chunk" if self.is_chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            chunk["usage"] = usage
+        return chunk
+
+
+# -- request parsing ----------------------------------------------------------------------------------------------
+
+
+def _invalid(exc: ValueError, endpoint: Endpoint) -> InvalidRequestError:
+    from local_engine.scheduler import PromptTooLongError
+
+    if isinstance(exc, PromptTooLongError):
+        param = "messages" if endpoint == "chat/completions" else "prompt"
+        return InvalidRequestError(str(exc), code="context_length_exceeded", param=param)
+    return InvalidRequestError(f"Invalid request for the local engine: {exc}.")
+
+
+def _message_text(message: Any) -> Json:
+    if not isinstance(message, dict) or "role" not in message:
+        raise InvalidRequestError("Each message must be an object with a `role`.", param="messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise InvalidRequestError(
+                    "The local engine accepts only text content parts; remove image/audio parts.", param="messages"
+                )
+            parts.append(str(part.get("text", "")))
+        return {**message, "content": "".join(parts)}
+    return message
+
+
+def _chat_prompt(tokenizer: Any, body: Json) -> list[list[int]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("`messages` must be a non-empty list.", param="messages")
+    tools = body.get("tools") or None
+    ids = tokenizer.apply_chat_template([_message_text(m) for m in messages], tools=tools)
+    return [list(ids)]
+
+
+def _text_prompts(tokenizer: Any, body: Json) -> list[list[int]]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, str) for p in prompt):
+            return [tokenizer.encode(p) for p in prompt]
+        if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+            return [list(p) for p in prompt]
+    raise InvalidRequestError(
+        "`prompt` must be a string, a list of strings, a list of token ids, or a list of token id lists.",
+        param="prompt",
+    )
+
+
+def _prompt_texts(tokenizer: Any, body: Json) -> list[str] | None:
+    """Prompt texts for `echo` on /completions."""
+    if not body.get("echo") or "messages" in body:
+        return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [tokenizer.decode(ids) for ids in _text_prompts(tokenizer, body)]
+
+
+def _sampling_params(body: Json, is_chat: bool) -> SamplingParams:
+    from local_engine.sampling_params import SamplingParams
+
+    if body.get("best_of") not in (None, 1, body.get("n", 1)):
+        raise ValueError("best_of is not supported (use n)")
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
+        raise ValueError("response_format other than text is not supported")
+    stop = body.get("stop")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if is_chat:
+        logprobs = int(body.get("top_logprobs") or 0) if body.get("logprobs") else None
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    else:
+        logprobs = body.get("logprobs")
+        max_tokens = body.get("max_tokens", 16)  # the legacy endpoint's documented default
+    temperature = body.get("temperature")
+    top_p = body.get("top_p")
+    return SamplingParams(
+        n=int(body.get("n") or 1),
+        temperature=1.0 if temperature is None else float(temperature),
+        top_p=1.0 if top_p is None else float(top_p),
+        top_k=int(body.get("top_k") or 0),
+        min_p=float(body.get("min_p") or 0.0),
+        presence_penalty=float(body.get("presence_penalty") or 0.0),
+        frequency_penalty=float(body.get("frequency_penalty") or 0.0),
+        repetition_penalty=float(body.get("repetition_penalty") or 1.0),
+        seed=None if body.get("seed") is None else int(body["seed"]),
+        max_tokens=None if max_tokens is None else int(max_tokens),
+        min_tokens=int(body.get("min_tokens") or 0),
+        stop=stops,
+        stop_token_ids=tuple(int(t) for t in body.get("stop_token_ids") or ()),
+        ignore_eos=bool(body.get("ignore_eos", False)),
+        logprobs=None if logprobs is None else int(logprobs),
+        skip_special_tokens=bool(body.get("skip_special_tokens", True)),
+        include_stop_str_in_output=bool(body.get("include_stop_str_in_output", False)),
+    )
+
+
+# -- responses ----------------------------------------------------------------------------------------------------
+
+
+def _accumulate(deltas: list[RequestOutput], n: int) -> list[CompletionOutput]:
+    from local_engine.output_processor import accumulate
+
+    return accumulate(deltas, n)
+
+
+async def _merge(streams: Sequence[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several engine streams (a /completions call with a list of prompts) as deltas arrive."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta))
+            await queue.put((index, None))
+        except Exception as exc:
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable character standing for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def _token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The exact bytes a token stands for: byte-level BPE (GPT-2 alphabet), SentencePiece (`▁`, `<0xNN>`), or
+    the decoded text as a fallback."""
+    hf = getattr(tokenizer, "hf", None)
+    piece = hf.convert_ids_to_tokens(token_id) if hf is not None else None
+    if isinstance(piece, str) and piece:
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+            return bytes([int(piece[3:5], 16)])
+        if all(c in _BYTE_DECODER for c in piece) and hf is not None and getattr(hf, "is_fast", False):
+            special = getattr(hf, "all_special_ids", ())
+            if token_id not in special:
+                return bytes(_BYTE_DECODER[c] for c in piece)
+        if "▁" in piece:
+            return piece.replace("▁", " ").encode("utf-8")
+    return str(tokenizer.decode([token_id], skip_special_tokens=False)).encode("utf-8")
+
+
+def _chat_logprobs(backend: LocalBackend, logprobs: list[TokenLogprob] | None) -> Json | None:
+    if logprobs is None:
+        return None
+    content = []
+    for entry in logprobs:
+        token, raw = backend.token_text(entry.token_id)
+        top = []
+        for token_id, value in entry.top:
+            alt, alt_raw = backend.token_text(token_id)
+            top.append({"token": alt, "logprob": value, "bytes": alt_raw})
+        content.append({"token": token, "logprob": entry.logprob, "bytes": raw, "top_logprobs": top})
+    return {"content": content}
+
+
+def _text_logprobs(backend: LocalBackend, logprobs: list[TokenLogprob] | None) -> Json | None:
+    if logprobs is None:
+        return None
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    tops: list[dict[str, float]] = []
+    offsets: list[int] = []
+    offset = 0
+    for entry in logprobs:
+        token = backend.token_text(entry.token_id)[0]
+        tokens.append(token)
+        token_logprobs.append(entry.logprob)
+        tops.append({backend.token_text(t)[0]: v for t, v in entry.top})
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}

@@ -1,0 +1,273 @@
+"""Engine throughput on the bundled SmolLM2-135M-Instruct, against transformers' static batching, in one run.
+
+    python benchmarks/engine_throughput.py            # the issue's workload (takes several minutes on 2 cores)
+    python benchmarks/engine_throughput.py --quick    # a smaller run (about a minute)
+
+Workload: N requests with prompt lengths uniform in [32, 600] tokens and output lengths uniform in [16, 256]
+(ignore_eos + min_tokens pin each output length), all submitted at once. Reported:
+- our engine: useful generated tokens/s, TTFT and end-to-end p50/p95, KV utilisation (tokens stored / slots
+  allocated, sampled every step), preemptions;
+- transformers `generate` in static batches (8 and 32) with left padding: the same figures, where a batch runs
+  until its longest output (the other slots are padding) and every request in it ends when the batch ends;
+- batch-1: TTFT and decode tokens/s for a 200-token prompt, both engines.
+Greedy decoding everywhere, float32 by default (the figures the issue asks for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from local_engine.config import EngineConfig
+from local_engine.engine import LLMEngine
+from local_engine.loader import bundled_model_path, load_checkpoint
+from local_engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    num_output: int
+
+
+@dataclass
+class RunResult:
+    name: str
+    elapsed_s: float
+    num_useful_tokens: int
+    ttft_s: list[float]
+    e2e_s: list[float]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_useful_tokens / self.elapsed_s
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def make_workload(
+    num: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int = 1234
+) -> list[Request]:
+    rng = random.Random(seed)
+    # Ordinary tokens only (SmolLM2's special tokens sit at the start of the vocabulary).
+    return [
+        Request([rng.randrange(200, vocab) for _ in range(rng.randint(*prompt_range))], rng.randint(*output_range))
+        for _ in range(num)
+    ]
+
+
+def greedy(num_output: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=num_output, min_tokens=num_output, ignore_eos=True)
+
+
+# -- our engine ---------------------------------------------------------------------------------------------------
+
+
+def run_engine(engine: LLMEngine, requests: list[Request]) -> RunResult:
+    engine.block_manager.reset_prefix_cache()  # random prompts share nothing, but start from a clean cache anyway
+    started = time.perf_counter()
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    for i, request in enumerate(requests):
+        engine.add_request(str(i), request.prompt, greedy(request.num_output))
+    utilisation: list[float] = []
+    num_steps = 0
+    while engine.has_unfinished_requests:
+        outputs = engine.step()
+        num_steps += 1
+        now = time.perf_counter()
+        for out in outputs:
+            first.setdefault(out.request_id, now)
+            if out.finished:
+                done[out.request_id] = now
+        if engine.scheduler.running:
+            utilisation.append(engine.kv_utilization())
+    elapsed = time.perf_counter() - started
+    ids = [str(i) for i in range(len(requests))]
+    return RunResult(
+        "unigate engine",
+        elapsed,
+        sum(r.num_output for r in requests),
+        [first[i] - started for i in ids],
+        [done[i] - started for i in ids],
+        {
+            "steps": num_steps,
+            "preemptions": engine.scheduler.num_preemptions,
+            "kv_utilisation_mean": statistics.fmean(utilisation) if utilisation else 1.0,
+            "kv_utilisation_min": min(utilisation) if utilisation else 1.0,
+        },
+    )
+
+
+def engine_batch1(engine: LLMEngine, prompt: list[int], num_output: int) -> tuple[float, float]:
+    """(TTFT seconds, decode tokens/s after the first token)."""
+    engine.add_request("b1", prompt, greedy(num_output))
+    started = time.perf_counter()
+    first = 0.0
+    while engine.has_unfinished_requests:
+        outputs = engine.step()
+        if outputs and not first:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return first - started, (num_output - 1) / (end - first)
+
+
+# -- transformers ---------------------------------------------------------------------------------------------------
+
+
+class StepClock:
+    """A stopping criterion that never stops: it records when each generation step finishes."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def hf_generate(model: Any, prompts: list[list[int]], num_new: int, pad_id: int) -> StepClock:
+    from transformers import StoppingCriteriaList
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    clock = StepClock()
+    with torch.inference_mode():
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=num_new,
+            min_new_tokens=num_new,
+            do_sample=False,
+            pad_token_id=pad_id,
+            stopping_criteria=StoppingCriteriaList([clock]),
+        )
+    return clock
+
+
+def run_hf_static(model: Any, requests: list[Request], batch_size: int, pad_id: int) -> RunResult:
+    started = time.perf_counter()
+    ttft: list[float] = []
+    e2e: list[float] = []
+    num_slots = 0
+    for offset in range(0, len(requests), batch_size):
+        batch = requests[offset : offset + batch_size]
+        num_new = max(r.num_output for r in batch)
+        clock = hf_generate(model, [r.prompt for r in batch], num_new, pad_id)
+        num_slots += num_new * len(batch)
+        ttft += [clock.times[0] - started] * len(batch)
+        e2e += [clock.times[-1] - started] * len(batch)  # static batching returns everything at the end
+    elapsed = time.perf_counter() - started
+    useful = sum(r.num_output for r in requests)
+    return RunResult(
+        f"transformers static bs={batch_size}", elapsed, useful, ttft, e2e, {"padding_slots": 1 - useful / num_slots}
+    )
+
+
+def hf_batch1(model: Any, prompt: list[int], num_output: int, pad_id: int) -> tuple[float, float]:
+    started = time.perf_counter()
+    clock = hf_generate(model, [prompt], num_output, pad_id)
+    return clock.times[0] - started, (num_output - 1) / (clock.times[-1] - clock.times[0])
+
+
+def load_hf_model(checkpoint: Any, dtype: torch.dtype) -> Any:
+    """transformers' LlamaForCausalLM on the very same weights the engine serves."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**checkpoint.hf_config)
+    model = LlamaForCausalLM(config).to(dtype)
+    model.load_state_dict(checkpoint.state_dict, strict=False)
+    model.tie_weights()
+    return model.eval()
+
+
+# -- report -----------------------------------------------------------------------------------------------------
+
+
+def report(results: list[RunResult]) -> None:
+    header = f"{'':34} {'tok/s':>8} {'wall s':>8} {'TTFT p50':>9} {'TTFT p95':>9} {'E2E p50':>8} {'E2E p95':>8}"
+    print(header)
+    for r in results:
+        print(
+            f"{r.name:34} {r.tokens_per_s:8.1f} {r.elapsed_s:8.1f} {percentile(r.ttft_s, 0.5):9.2f} "
+            f"{percentile(r.ttft_s, 0.95):9.2f} {percentile(r.e2e_s, 0.5):8.2f} {percentile(r.e2e_s, 0.95):8.2f}"
+            + "".join(f"  {k}={v:.3f}" if isinstance(v, float) else f"  {k}={v}" for k, v in r.extra.items())
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="8 shorter requests, static batch 8 only")
+    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--skip-hf", action="store_true", help="measure only our engine")
+    parser.add_argument("--cache-dir", type=Path, default=Path(".unigate/models"))
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    started = time.perf_counter()
+    checkpoint = load_checkpoint(bundled_model_path(), cache_dir=args.cache_dir, dtype=dtype)
+    print(f"loaded the bundled model in {time.perf_counter() - started:.1f}s (from cache: {checkpoint.from_cache})")
+    vocab = int(checkpoint.hf_config["vocab_size"])
+    if args.quick:
+        requests = make_workload(args.num_requests or 8, (32, 200), (16, 64), vocab)
+        batch_sizes, batch1_output = [8], 32
+    else:
+        requests = make_workload(args.num_requests or 32, (32, 600), (16, 256), vocab)
+        batch_sizes, batch1_output = [8, 32], 128
+    config = EngineConfig(
+        device="cpu",
+        dtype=args.dtype,
+        kv_cache_memory=2 * 2**30,
+        max_num_seqs=64,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    engine = LLMEngine.from_checkpoint(checkpoint, config)
+    print(f"KV cache: {engine.capacity.as_dict()}")
+    num_prompt = sum(len(r.prompt) for r in requests)
+    print(
+        f"workload: {len(requests)} requests, {num_prompt} prompt tokens, {sum(r.num_output for r in requests)} "
+        f"output tokens, threads={torch.get_num_threads()}, dtype={args.dtype}"
+    )
+    engine.generate([requests[0].prompt[:16]], greedy(4))  # warm-up
+    results = [run_engine(engine, requests)]
+    batch1_prompt = make_workload(1, (200, 200), (1, 1), vocab, seed=99)[0].prompt  # shares no prefix
+    engine_b1 = engine_batch1(engine, batch1_prompt, batch1_output)
+    hf_b1: tuple[float, float] | None = None
+    if not args.skip_hf:
+        model = load_hf_model(checkpoint, dtype)
+        pad_id = int(checkpoint.hf_config.get("pad_token_id") or 0)
+        hf_generate(model, [requests[0].prompt[:16]], 2, pad_id)  # warm-up
+        for batch_size in batch_sizes:
+            results.append(run_hf_static(model, requests, batch_size, pad_id))
+        hf_b1 = hf_batch1(model, batch1_prompt, batch1_output, pad_id)
+    print()
+    report(results)
+    print()
+    print(f"batch-1, 200-token prompt, {batch1_output} new tokens:")
+    print(f"  unigate engine  TTFT {engine_b1[0] * 1000:7.0f} ms   decode {engine_b1[1]:6.1f} tok/s")
+    if hf_b1 is not None:
+        print(f"  transformers    TTFT {hf_b1[0] * 1000:7.0f} ms   decode {hf_b1[1]:6.1f} tok/s")
+        best_static = max(r.tokens_per_s for r in results[1:])
+        print(f"\nthroughput vs best static batching: {results[0].tokens_per_s / best_static:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

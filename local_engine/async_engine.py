@@ -1,0 +1,188 @@
+"""`AsyncEngine`: the step loop in its own thread, per-request asyncio streams on the caller's event loop.
+
+The event loop never computes: `generate()` validates, hands the request to the engine thread through a
+thread-safe inbox and awaits deltas, which the engine thread pushes with `call_soon_threadsafe` (one hand-off per
+event loop per step). Closing the stream early (client gone) aborts the request, freeing its blocks within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from local_engine.engine import LLMEngine
+from local_engine.output_processor import RequestOutput
+from local_engine.sampling_params import SamplingParams
+
+__all__ = ["AsyncEngine", "EngineDeadError"]
+
+logger = logging.getLogger("unigate.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (a step raised, or the engine was shut down)."""
+
+
+class _Stream:
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams between the loop thread and the engine thread
+        self._ids = itertools.count()
+        self._stats: dict[str, Any] = engine.stats()
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="unigate-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API ---------------------------------------------------------------------------------------------
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._error is None and not self._stopping and self._thread.is_alive()
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Raises PromptTooLongError / ValueError before anything is queued; returns the resolved max_tokens."""
+        return self.engine.validate(prompt_token_ids, params)
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the request's deltas until it finishes. Invalid requests raise before the first delta."""
+        self._check_alive()
+        self.validate(prompt_token_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        self._inbox.put(("add", (request_id, prompt_token_ids, params)))
+        self._wakeup.set()
+        if not self._thread.is_alive():  # died after the first check: nobody would ever answer
+            with self._lock:
+                self._streams.pop(request_id, None)
+            self._check_alive()
+            raise EngineDeadError("the local engine is not running")
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; takes effect before the next step."""
+        self._inbox.put(("abort", request_id))
+        self._wakeup.set()
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot taken by the engine thread after the latest step (no locking on the hot path)."""
+        return dict(self._stats)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop after the current step; open streams fail with EngineDeadError."""
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout_s)
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        await asyncio.to_thread(self.stop, timeout_s)
+
+    # -- engine thread ------------------------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the local engine stopped after an error: {self._error!r}") from self._error
+        if self._stopping:
+            raise EngineDeadError("the local engine is shutting down")
+
+    def _drain_inbox(self) -> None:
+        engine = self.engine
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                request_id, prompt, params = payload
+                with self._lock:
+                    is_live = request_id in self._streams
+                if is_live:
+                    try:
+                        engine.add_request(request_id, prompt, params)
+                    except ValueError as error:  # validated already; kept for safety
+                        self._deliver([(request_id, error)])
+            else:
+                final = engine.abort_request(payload)
+                if final is not None:  # an abort from outside the stream: let its reader finish
+                    self._deliver([(payload, final)])
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not engine.has_unfinished_requests:
+                    self._stats = engine.stats()
+                    self._wakeup.wait(timeout=1.0)
+                    self._wakeup.clear()
+                    continue
+                outputs = engine.step()
+                self._stats = engine.stats()
+                if outputs:
+                    self._deliver([(o.request_id, o) for o in outputs])
+        except BaseException as error:
+            logger.exception("local engine step failed; the engine is stopped")
+            self._error = error
+        finally:
+            self._fail_all(self._error or EngineDeadError("the local engine shut down"))
+
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Push items to their streams, one thread-safe hand-off per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput | BaseException]]] = {}
+        with self._lock:
+            for request_id, item in items:
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:
+                pass  # that event loop is closed: its requests are gone and get aborted by their finally
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            request_ids = list(self._streams)
+        dead = error if isinstance(error, EngineDeadError) else EngineDeadError(f"the local engine failed: {error!r}")
+        self._deliver([(r, dead) for r in request_ids])
+
+
+def _put_all(batch: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+    for stream, item in batch:
+        stream.queue.put_nowait(item)

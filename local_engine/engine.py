@@ -1,0 +1,287 @@
+"""`LLMEngine`: the scheduler, the block manager, the model runner and the sampler meet in one `step()`.
+
+Single-threaded and synchronous; `AsyncEngine` drives it from its own thread for the gateway.
+"""
+
+from __future__ import annotations
+
+import itertools
+import resource
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from local_engine.block_manager import BlockManager
+from local_engine.config import EngineConfig, ModelConfig
+from local_engine.metrics import ThroughputMeter
+from local_engine.model_runner import ModelRunner
+from local_engine.output_processor import (
+    CompletionOutput,
+    Detokenizer,
+    IncrementalDetokenizer,
+    RequestOutput,
+    accumulate,
+)
+from local_engine.sampler import Sampler
+from local_engine.sampling_params import SamplingParams
+from local_engine.scheduler import PromptTooLongError, Scheduler
+from local_engine.sequence import FinishReason, Sequence
+
+__all__ = ["LLMEngine", "PromptTooLongError"]
+
+
+@dataclass
+class _Request:
+    request_id: str
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer | None]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        engine_config: EngineConfig,
+        state_dict: dict[str, torch.Tensor],
+        *,
+        tokenizer: Detokenizer | None = None,
+        eos_token_ids: frozenset[int] | None = None,
+    ) -> None:
+        self.model_config = model_config
+        self.engine_config = engine_config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids if eos_token_ids is not None else frozenset(model_config.eos_token_ids)
+        self.runner = ModelRunner(model_config, engine_config, state_dict)
+        self.capacity = self.runner.capacity
+        self.block_manager = BlockManager(
+            self.capacity.num_blocks,
+            engine_config.block_size,
+            enable_prefix_caching=engine_config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=engine_config.max_num_seqs,
+            max_num_batched_tokens=engine_config.max_num_batched_tokens,
+            max_model_len=self.runner.max_model_len,
+        )
+        self.sampler = Sampler()
+        self.meter = ThroughputMeter()
+        self.requests: dict[str, _Request] = {}
+        self._generate_ids = itertools.count()
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Any, engine_config: EngineConfig) -> LLMEngine:
+        """From `local_engine.loader.Checkpoint` (hf_config, state_dict, tokenizer)."""
+        model_config = ModelConfig.from_hf_config(checkpoint.hf_config)
+        tokenizer = checkpoint.tokenizer
+        eos = frozenset(model_config.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()))
+        return cls(model_config, engine_config, checkpoint.state_dict, tokenizer=tokenizer, eos_token_ids=eos)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + completion) this engine can ever run."""
+        return self.scheduler.max_model_len
+
+    # -- requests -----------------------------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request can run at all; returns its resolved max_tokens. Raises PromptTooLongError or
+        ValueError. Thread-safe (reads only constants)."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: send at least one token")
+        vocab = self.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        return self.scheduler.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        max_tokens = self.validate(prompt_token_ids, params)
+        seqs: list[Sequence] = []
+        for index in range(params.n):
+            seqs.append(
+                Sequence(
+                    request_id,
+                    prompt_token_ids,
+                    params,
+                    max_tokens=max_tokens,
+                    eos_token_ids=self.eos_token_ids,
+                    index=index,
+                    parent=seqs[0] if seqs else None,
+                )
+            )
+        detokenizers: list[IncrementalDetokenizer | None] = [
+            IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            if self.tokenizer is not None
+            else None
+            for _ in seqs
+        ]
+        self.requests[request_id] = _Request(request_id, seqs, detokenizers)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (finish_reason "abort")."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        outputs = []
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+                self.sampler.forget(seq)
+                outputs.append(
+                    CompletionOutput(seq.index, finish_reason="abort", num_output_tokens=seq.num_output_tokens)
+                )
+        return RequestOutput(request_id, outputs, request.seqs[0].num_prompt_tokens, finished=True)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- the step -----------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and return the requests that progressed."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        sampling_seqs = [s for s, m in zip(batch.seqs, batch.sampling_mask(), strict=True) if m]
+        num_prompt = sum(
+            min(n, max(0, s.num_prompt_tokens - s.num_computed_tokens))
+            for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+        )
+        logits = self.runner.run(batch)
+        sampled = self.sampler(logits, sampling_seqs)
+        self.scheduler.postprocess(batch, sampled.token_ids)
+        self.meter.record(num_prompt, len(sampling_seqs))
+        changed: dict[str, list[CompletionOutput]] = {}
+        for seq, logprob in zip(sampling_seqs, sampled.logprobs, strict=True):
+            out = self._process_token(seq)
+            if logprob is not None:
+                out.logprobs = [logprob]
+            changed.setdefault(seq.request_id, []).append(out)
+        results = []
+        for request_id, outputs in changed.items():
+            request = self.requests[request_id]
+            finished = request.is_finished
+            if finished:
+                del self.requests[request_id]
+            results.append(
+                RequestOutput(
+                    request_id,
+                    outputs,
+                    num_prompt_tokens=request.seqs[0].num_prompt_tokens,
+                    num_cached_tokens=request.seqs[0].num_cached_tokens,
+                    finished=finished,
+                )
+            )
+        return results
+
+    def _process_token(self, seq: Sequence) -> CompletionOutput:
+        """Detokenize the new token, apply stop strings, and describe the change."""
+        token_id = seq.last_token_id
+        detokenizer = self.requests[seq.request_id].detokenizers[seq.index]
+        text = ""
+        if detokenizer is not None:
+            # EOS and stop token ids end the text without appearing in it.
+            ended_by_token = seq.is_finished and seq.finish_reason is FinishReason.STOP
+            if not ended_by_token:
+                text = detokenizer.add_tokens([token_id])
+                if detokenizer.stop_reason is not None and not seq.is_finished:
+                    self.scheduler.finish(seq, FinishReason.STOP)
+                    seq.stop_reason = detokenizer.stop_reason
+            if seq.is_finished:
+                text += detokenizer.flush()
+        if seq.is_finished:
+            self.sampler.forget(seq)
+        reason = seq.finish_reason.value if seq.is_finished and seq.finish_reason is not None else None
+        return CompletionOutput(
+            index=seq.index,
+            text=text,
+            token_ids=[token_id],
+            finish_reason=reason,
+            stop_reason=seq.stop_reason if seq.is_finished else None,
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    # -- convenience and stats ----------------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[CompletionOutput]]:
+        """Run prompts to completion (tests, benchmarks); returns the complete choices of each prompt."""
+        all_params = params if isinstance(params, list) else [params] * len(prompts)
+        deltas: dict[str, list[RequestOutput]] = {}
+        ids = [f"generate-{next(self._generate_ids)}" for _ in prompts]
+        for request_id, prompt, p in zip(ids, prompts, all_params, strict=True):
+            self.add_request(request_id, prompt, p)
+            deltas[request_id] = []
+        while self.has_unfinished_requests:
+            for out in self.step():
+                deltas.setdefault(out.request_id, []).append(out)
+        return [accumulate(deltas[r], p.n) for r, p in zip(ids, all_params, strict=True)]
+
+    def kv_utilization(self) -> float:
+        """Tokens stored / token slots allocated over the blocks live sequences hold (shared blocks once)."""
+        size = self.block_manager.block_size
+        filled: dict[int, int] = {}
+        for seq in self.scheduler.running:
+            for i, block_id in enumerate(seq.block_table):
+                used = min(size, max(0, seq.num_computed_tokens - i * size))
+                filled[block_id] = max(filled.get(block_id, 0), used)
+        return sum(filled.values()) / (len(filled) * size) if filled else 1.0
+
+    def peak_memory_bytes(self) -> int:
+        if self.runner.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.runner.device))
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)  # ru_maxrss is KiB on Linux
+
+    def stats(self) -> dict[str, Any]:
+        scheduler = self.scheduler
+        bm = self.block_manager
+        prompt_rate, generation_rate = self.meter.rates()
+        return {
+            "model_type": self.model_config.model_type,
+            "device": str(self.runner.device),
+            "dtype": self.runner.dtype_name,
+            "attention_backend": self.runner.attention_backend,
+            "num_running_seqs": len(scheduler.running),
+            "num_waiting_seqs": len(scheduler.waiting),
+            "num_preempted_seqs": sum(1 for s in scheduler.waiting if s.num_preemptions),
+            "num_preemptions_total": scheduler.num_preemptions,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "kv_utilization": self.kv_utilization(),
+            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
+            "prefix_cache_evictions": bm.num_evictions,
+            "memory_bytes": {
+                "weights": self.runner.weights_bytes,
+                "kv_cache": self.capacity.num_bytes,
+                "peak": self.peak_memory_bytes(),
+            },
+            "prompt_tokens_per_s": prompt_rate,
+            "generation_tokens_per_s": generation_rate,
+            "prompt_tokens_total": self.meter.num_prompt_tokens,
+            "generation_tokens_total": self.meter.num_generation_tokens,
+            "num_steps": self.meter.num_steps,
+            "max_model_len": self.max_model_len,
+            "capacity": self.capacity.as_dict(),
+        }

@@ -1,0 +1,67 @@
+"""Paged attention: per step metadata and the layer that stores K/V and attends over the block tables.
+
+Tokens of a step are packed: the first `num_decode_tokens` are decode tokens (one per sequence, context already
+cached), the rest are prefill chunks. Both halves read their keys from the paged cache after this step's K/V
+were stored, so a chunk attends to its own tokens and to everything computed in earlier steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from torch import nn
+
+__all__ = ["Attention", "AttentionMetadata"]
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of every new token
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # [B, MAXB] int32
+    decode_context_lens: torch.Tensor | None  # [B] int32
+    prefill_block_tables: torch.Tensor | None  # [S, MAXB] int32
+    prefill_cu_seqlens_q: torch.Tensor | None  # [S + 1] int32
+    prefill_context_lens: torch.Tensor | None  # [S] int32
+    prefill_max_seqlen_q: int
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, ops: ModuleType) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.ops = ops
+        # Views into the engine's one KV tensor, set by the model runner once the cache is allocated.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
+        ops = self.ops
+        ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        num_decode = meta.num_decode_tokens
+        if num_decode == q.shape[0]:
+            return ops.paged_decode_attention(
+                q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+            )
+        prefill = ops.paged_prefill_attention(
+            q[num_decode:],
+            self.k_cache,
+            self.v_cache,
+            meta.prefill_block_tables,
+            meta.prefill_cu_seqlens_q,
+            meta.prefill_context_lens,
+            meta.prefill_max_seqlen_q,
+            self.scale,
+        )
+        if num_decode == 0:
+            return prefill
+        decode = ops.paged_decode_attention(
+            q[:num_decode], self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+        )
+        return torch.cat((decode, prefill), dim=0)

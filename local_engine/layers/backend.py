@@ -1,0 +1,23 @@
+"""Choose the implementation of the six engine operations by name: "torch" (this package) or "triton"."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+__all__ = ["select_ops"]
+
+
+def select_ops(attention_backend: str) -> ModuleType:
+    """The module providing store_kv, paged_decode_attention, paged_prefill_attention, rms_norm, apply_rotary
+    and silu_and_mul with identical signatures."""
+    if attention_backend == "torch":
+        from local_engine.layers import torch_ops
+
+        return torch_ops
+    if attention_backend == "triton":
+        import local_engine.kernels as kernels
+
+        if not kernels.is_triton_available():
+            raise RuntimeError("attention_backend 'triton' needs triton and a CUDA device; use 'torch' instead")
+        return kernels
+    raise ValueError(f"unknown attention_backend {attention_backend!r} (use 'torch' or 'triton')")

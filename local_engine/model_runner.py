@@ -1,0 +1,189 @@
+"""Turns a scheduled batch into one forward pass: packs tokens, builds slot mappings and block tables, owns the
+model weights and the paged KV cache, and returns the logits of the sequences that sample this step."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from local_engine.config import EngineConfig, KVCapacity, ModelConfig
+from local_engine.layers.attention import Attention, AttentionMetadata
+from local_engine.layers.backend import select_ops
+from local_engine.layers.rotary import build_cos_sin_cache
+from local_engine.models.llama import LlamaForCausalLM
+from local_engine.scheduler import ScheduledBatch
+
+__all__ = ["ModelRunner"]
+
+logger = logging.getLogger("unigate.engine")
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _is_triton_available() -> bool:
+    try:
+        from local_engine.kernels import is_triton_available
+    except ImportError:
+        return False
+    return is_triton_available()
+
+
+class ModelRunner:
+    def __init__(
+        self, model_config: ModelConfig, engine_config: EngineConfig, state_dict: dict[str, torch.Tensor]
+    ) -> None:
+        started = time.perf_counter()
+        self.model_config = model_config
+        self.engine_config = engine_config
+        self.device = torch.device(engine_config.resolved_device(torch.cuda.is_available()))
+        self.dtype_name = engine_config.resolved_dtype(self.device.type)
+        self.dtype = TORCH_DTYPES[self.dtype_name]
+        self.attention_backend = engine_config.resolved_attention_backend(self.device.type, _is_triton_available())
+        self.block_size = engine_config.block_size
+        self.max_model_len = engine_config.resolved_max_model_len(model_config)
+        ops = select_ops(self.attention_backend)
+        self.model = self._build_model(ops, state_dict)
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.capacity = self._plan_kv_cache()
+        self.kv_cache = self._allocate_kv_cache(self.capacity.num_blocks)
+        logger.info(
+            "engine ready in %.1fs: %s %s on %s, attention=%s, weights %.0f MiB, KV cache %.0f MiB "
+            "(%d blocks x %d tokens = %d tokens)",
+            time.perf_counter() - started,
+            model_config.model_type,
+            self.dtype_name,
+            self.device,
+            self.attention_backend,
+            self.weights_bytes / 2**20,
+            self.capacity.num_bytes / 2**20,
+            self.capacity.num_blocks,
+            self.block_size,
+            self.capacity.num_tokens,
+        )
+
+    def _build_model(self, ops: object, state_dict: dict[str, torch.Tensor]) -> LlamaForCausalLM:
+        # Built on the meta device so no time goes into random initialisation, then materialised and loaded.
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.model_config, ops, max_position=1)  # type: ignore[arg-type]
+        model = model.to_empty(device=self.device).to(dtype=self.dtype)
+        if self.model_config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.load_weights(state_dict)
+        # Rope tables stay float32 whatever the weights' dtype.
+        c = self.model_config
+        model.cos_sin_cache = build_cos_sin_cache(c.head_dim, self.max_model_len, c.rope_theta, c.rope_scaling).to(
+            self.device
+        )
+        return model.eval()
+
+    # -- KV cache -----------------------------------------------------------------------------------------------
+
+    def _plan_kv_cache(self) -> KVCapacity:
+        """Number of blocks from the memory budget: `kv_cache_memory` bytes, else a fraction of free GPU memory
+        (after weights), else the CPU default."""
+        bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype_name)
+        budget = self.engine_config.kv_cache_memory
+        if budget is None and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            # Leave activation headroom: the budget is what the utilisation target allows beyond current use,
+            # minus room for one step's activations at max_num_batched_tokens.
+            activations = self.engine_config.max_num_batched_tokens * self.model_config.intermediate_size * 4 * 8
+            budget = int(total * self.engine_config.gpu_memory_utilization) - used - activations
+        elif budget is None:
+            budget = self.engine_config.cpu_kv_cache_memory
+        num_blocks = budget // (bytes_per_token * self.block_size)
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget ({budget} bytes) holds no block of {self.block_size} tokens "
+                f"({bytes_per_token} bytes per token): raise kv_cache_memory or gpu_memory_utilization"
+            )
+        return KVCapacity(num_blocks=num_blocks, block_size=self.block_size, bytes_per_token=bytes_per_token)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        c = self.model_config
+        shape = (2, c.num_hidden_layers, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]  # in layer order
+        for i, attn in enumerate(layers):
+            attn.k_cache = kv_cache[0, i]  # [num_blocks, block_size, KVH, D]
+            attn.v_cache = kv_cache[1, i]
+        return kv_cache
+
+    # -- one step -----------------------------------------------------------------------------------------------
+
+    def _block_table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return torch.tensor(padded, dtype=torch.int32)
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input_ids [T], positions [T], attention metadata, logits_indices [N]) on the device."""
+        size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        context_lens: list[int] = []
+        cu_seqlens = [0]
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start = seq.num_computed_tokens
+            end = start + num_new
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // size] * size + p % size for p in range(start, end))
+            context_lens.append(end)
+            cu_seqlens.append(cu_seqlens[-1] + num_new)
+            if end == seq.num_tokens:
+                logits_indices.append(len(input_ids) - 1)
+        num_decode = batch.num_decode_seqs
+        tables = [seq.block_table for seq in batch.seqs]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            num_decode_tokens=num_decode,
+            decode_block_tables=self._block_table_tensor(tables[:num_decode]) if num_decode else None,
+            decode_context_lens=torch.tensor(context_lens[:num_decode], dtype=torch.int32) if num_decode else None,
+            prefill_block_tables=None,
+            prefill_cu_seqlens_q=None,
+            prefill_context_lens=None,
+            prefill_max_seqlen_q=0,
+        )
+        if num_decode < len(batch.seqs):
+            prefill_cu = [c - num_decode for c in cu_seqlens[num_decode:]]
+            meta.prefill_block_tables = self._block_table_tensor(tables[num_decode:])
+            meta.prefill_cu_seqlens_q = torch.tensor(prefill_cu, dtype=torch.int32)
+            meta.prefill_context_lens = torch.tensor(context_lens[num_decode:], dtype=torch.int32)
+            meta.prefill_max_seqlen_q = max(batch.num_new_tokens[num_decode:])
+        if self.device.type != "cpu":
+            meta = self._to_device(meta)
+        device = self.device
+        return (
+            torch.tensor(input_ids, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            meta,
+            torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        )
+
+    def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
+        for name in (
+            "slot_mapping",
+            "decode_block_tables",
+            "decode_context_lens",
+            "prefill_block_tables",
+            "prefill_cu_seqlens_q",
+            "prefill_context_lens",
+        ):
+            value = getattr(meta, name)
+            if value is not None:
+                setattr(meta, name, value.to(self.device, non_blocking=True))
+        return meta
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Forward the batch; float32 logits [N, vocab] for the N sequences that sample, in batch order."""
+        input_ids, positions, meta, logits_indices = self.prepare(batch)
+        hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[logits_indices]).float()

@@ -1,0 +1,155 @@
+"""What the engine hands back each step (`RequestOutput` deltas), and the incremental detokenizer that turns
+new tokens into safe text deltas.
+
+Text is emitted only when it is final: a decode that ends in U+FFFD (an incomplete UTF-8 sequence split across
+tokens, typical of emoji and CJK in byte-level BPE) is held back until the next token completes it, and the
+tail that could still grow into a stop string is held back until it cannot. A matched stop string is cut from
+the output (unless `include_stop_str_in_output`) and ends the sequence with finish_reason "stop".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Protocol
+
+__all__ = ["CompletionOutput", "Detokenizer", "IncrementalDetokenizer", "RequestOutput", "TokenLogprob", "accumulate"]
+
+# Prompt tokens decoded with the first output tokens, so tokenizers that drop a leading space when decoding a
+# lone token (SentencePiece) still produce the right text.
+NUM_CONTEXT_TOKENS = 5
+
+
+class Detokenizer(Protocol):
+    def decode(self, ids: Seq[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Detokenizer,
+        prompt_token_ids: list[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: tuple[str, ...] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = stop
+        self.max_stop_len = max((len(s) for s in stop), default=0)
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.token_ids = list(prompt_token_ids[-NUM_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.text = ""  # all decoded output text (after a stop match: cut at the match)
+        self.num_emitted = 0  # characters of `text` already handed out
+        self.stop_reason: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_tokens(self, token_ids: list[int]) -> str:
+        """Feed new tokens; returns the text that became final. After a stop string matched (`stop_reason`
+        set) nothing more is produced."""
+        if self.stop_reason is not None:
+            return ""
+        for token_id in token_ids:
+            self.token_ids.append(token_id)
+            prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+            full = self._decode(self.token_ids[self.prefix_offset :])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                self._append_text(full[len(prefix) :])
+                self.prefix_offset = self.read_offset
+                self.read_offset = len(self.token_ids)
+                if self.stop_reason is not None:
+                    break
+        return self._take(final=self.stop_reason is not None)
+
+    def flush(self) -> str:
+        """The sequence ended for another reason: everything held back is final now (an incomplete UTF-8 tail
+        comes out as U+FFFD, as the model produced it)."""
+        if self.stop_reason is None:
+            full = self._decode(self.token_ids[self.prefix_offset :])
+            prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+            if len(full) > len(prefix):
+                self._append_text(full[len(prefix) :])
+        return self._take(final=True)
+
+    def _append_text(self, delta: str) -> None:
+        start = max(0, len(self.text) - self.max_stop_len + 1)
+        self.text += delta
+        if not self.stop:
+            return
+        best: tuple[int, str] | None = None
+        for stop in self.stop:
+            index = self.text.find(stop, start)
+            if index >= 0 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is not None:
+            index, stop = best
+            self.text = self.text[: index + len(stop) if self.include_stop_str_in_output else index]
+            self.stop_reason = stop
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        text = self.text
+        for length in range(min(self.max_stop_len - 1, len(text)), 0, -1):
+            tail = text[-length:]
+            if any(stop.startswith(tail) for stop in self.stop):
+                return length
+        return 0
+
+    def _take(self, *, final: bool) -> str:
+        end = len(self.text) if final or not self.stop else len(self.text) - self._held_back()
+        if end <= self.num_emitted:
+            return ""
+        delta = self.text[self.num_emitted : end]
+        self.num_emitted = end
+        return delta
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-k alternatives (token id, logprob), best first
+
+
+@dataclass
+class CompletionOutput:
+    """One choice of a request. In a step's output, `text`, `token_ids` and `logprobs` are what is new since
+    the previous output for this choice; `accumulate` merges deltas into the whole completion."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it, if any
+    num_output_tokens: int = 0  # cumulative
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    outputs: list[CompletionOutput]  # the choices that changed this step
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    finished: bool = False  # every choice has finished
+
+
+def accumulate(deltas: list[RequestOutput], n: int) -> list[CompletionOutput]:
+    """Merge a request's stream of deltas into `n` complete choices, in index order."""
+    choices = [CompletionOutput(index=i) for i in range(n)]
+    for delta in deltas:
+        for out in delta.outputs:
+            choice = choices[out.index]
+            choice.text += out.text
+            choice.token_ids.extend(out.token_ids)
+            if out.logprobs is not None:
+                choice.logprobs = (choice.logprobs or []) + out.logprobs
+            choice.finish_reason = out.finish_reason or choice.finish_reason
+            choice.stop_reason = out.stop_reason if out.stop_reason is not None else choice.stop_reason
+            choice.num_output_tokens = out.num_output_tokens
+    return choices

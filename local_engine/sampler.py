@@ -1,0 +1,157 @@
+"""Batched sampling: penalties, temperature, top-k / top-p / min-p and per-request seeds, vectorised over rows.
+
+Random rows draw with the exponential race (argmax of p / E, E ~ Exp(1)), which equals sampling from p and lets
+each seeded row use its own generator without breaking the batch into per-row multinomial calls.
+Logprobs are those of the raw model distribution (before penalties and temperature), as OpenAI reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from local_engine.output_processor import TokenLogprob
+from local_engine.sequence import Sequence
+
+__all__ = ["Sampler", "SamplerOutput"]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self._generators: dict[int, torch.Generator] = {}  # seq_id -> generator of a seeded sequence
+
+    def forget(self, seq: Sequence) -> None:
+        self._generators.pop(seq.seq_id, None)
+
+    def _generator(self, seq: Sequence, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(seq.seq_id)
+        if generator is None:
+            seed = seq.params.seed
+            assert seed is not None
+            # Siblings of an n > 1 request get distinct, reproducible streams.
+            seed = seed if seq.index == 0 else hash((seed, seq.index)) & 0x7FFF_FFFF_FFFF_FFFF
+            generator = torch.Generator(device=device).manual_seed(seed)
+            self._generators[seq.seq_id] = generator
+        return generator
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """logits [B, V] float32 for `seqs` (one row each, same order) -> one token per row."""
+        vocab = logits.shape[1]
+        device = logits.device
+        params = [s.params for s in seqs]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
+        logits = self._mask_min_tokens(logits, seqs)
+        if any(p.has_penalties for p in params):
+            logits = self._apply_penalties(logits, seqs)
+        greedy = logits.argmax(dim=-1)
+        if all(p.is_greedy for p in params):
+            tokens = greedy
+        else:
+            tokens = torch.where(
+                torch.tensor([p.is_greedy for p in params], device=device), greedy, self._sample(logits, seqs)
+            )
+        token_ids = tokens.tolist()
+        return SamplerOutput(token_ids, self._logprobs(raw_logprobs, token_ids, seqs, vocab))
+
+    def _mask_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Before min_tokens are out, EOS and stop token ids cannot be sampled."""
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if seq.num_output_tokens < p.min_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(seq.eos_token_ids))
+                rows.extend([i] * len(banned))
+                cols.extend(banned)
+        if rows:
+            logits = logits.clone()
+            logits[rows, cols] = float("-inf")
+        return logits
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """OpenAI presence/frequency penalties over generated tokens; repetition penalty (CTRL / HF style) over
+        prompt and generated tokens."""
+        num_rows, vocab = logits.shape
+        device = logits.device
+        outputs = [s.output_token_ids for s in seqs]
+        width = max(1, max(len(o) for o in outputs))
+        padded = torch.tensor([o + [vocab] * (width - len(o)) for o in outputs], device=device)
+        counts = torch.zeros(num_rows, vocab + 1, device=device).scatter_add_(
+            1, padded, torch.ones_like(padded, dtype=torch.float32)
+        )[:, :vocab]
+        presence = torch.tensor([s.params.presence_penalty for s in seqs], device=device)[:, None]
+        frequency = torch.tensor([s.params.frequency_penalty for s in seqs], device=device)[:, None]
+        repetition = torch.tensor([s.params.repetition_penalty for s in seqs], device=device)[:, None]
+        logits = logits - frequency * counts - presence * (counts > 0).float()
+        if bool((repetition != 1.0).any()):
+            prompts = [s.prompt_token_ids for s in seqs]
+            width = max(len(p) for p in prompts)
+            padded_prompt = torch.tensor([p + [vocab] * (width - len(p)) for p in prompts], device=device)
+            seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=device)
+            seen.scatter_(1, padded_prompt, True)
+            seen = seen[:, :vocab] | (counts > 0)
+            penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+            logits = torch.where(seen, penalised, logits)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        device = logits.device
+        params = [s.params for s in seqs]
+        # Greedy rows are replaced by the argmax afterwards; temperature 1 keeps them finite meanwhile.
+        temperatures = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+        logits = logits / temperatures[:, None]
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            logits = self._top_k_top_p(logits, seqs)
+        probs = torch.softmax(logits, dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+            probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        noise = torch.empty_like(probs).exponential_()
+        for i, seq in enumerate(seqs):
+            if seq.params.seed is not None and not seq.params.is_greedy:
+                noise[i].exponential_(generator=self._generator(seq, device))
+        return (probs / noise).argmax(dim=-1)
+
+    def _top_k_top_p(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        device = logits.device
+        top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs], device=device)
+        top_p = torch.tensor([s.params.top_p for s in seqs], device=device)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device)[None, :]
+        remove = ranks >= top_k[:, None]
+        sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p (the best token always stays).
+        remove |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+        mask = torch.empty_like(remove).scatter_(1, order, remove)
+        return logits.masked_fill(mask, float("-inf"))
+
+    def _logprobs(
+        self, raw: torch.Tensor | None, token_ids: list[int], seqs: list[Sequence], vocab: int
+    ) -> list[TokenLogprob | None]:
+        if raw is None:
+            return [None] * len(seqs)
+        max_top = max(s.params.logprobs or 0 for s in seqs)
+        chosen = raw.gather(1, torch.tensor(token_ids, device=raw.device)[:, None]).squeeze(1).tolist()
+        top_values: list[list[float]] = [[] for _ in seqs]
+        top_ids: list[list[int]] = [[] for _ in seqs]
+        if max_top:
+            values, indices = raw.topk(min(max_top, vocab), dim=-1)
+            top_values, top_ids = values.tolist(), indices.tolist()
+        result: list[TokenLogprob | None] = []
+        for i, seq in enumerate(seqs):
+            k = seq.params.logprobs
+            if k is None:
+                result.append(None)
+                continue
+            top = list(zip(top_ids[i][:k], top_values[i][:k], strict=True))
+            result.append(TokenLogprob(token_ids[i], chosen[i], top))
+        return result

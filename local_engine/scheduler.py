@@ -1,0 +1,193 @@
+"""Iteration-level scheduling: which sequences compute how many tokens in the next step.
+
+Every step mixes decode tokens of running sequences with (chunked) prefill of new ones under
+`max_num_batched_tokens` and `max_num_seqs`, in this order: running decodes, running prefills (the next chunk of a
+long prompt), then waiting sequences in arrival order. When the cache runs out of blocks the most recently arrived
+running sequence is preempted by recompute: its blocks are freed and it goes back to the front of the queue with
+its generated tokens kept, so it later resumes with exactly the output it would have produced.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from local_engine.block_manager import BlockManager
+from local_engine.sequence import FinishReason, Sequence, SequenceStatus
+
+__all__ = ["PromptTooLongError", "ScheduledBatch", "Scheduler"]
+
+
+class PromptTooLongError(ValueError):
+    """A request that cannot fit even alone (prompt + max_tokens beyond the model length or the KV cache)."""
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work. `seqs[i]` computes its next `num_new_tokens[i]` tokens; decodes come first."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_decode_seqs: int = 0  # seqs[:num_decode_seqs] compute exactly one token with KV already cached
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def sampling_mask(self) -> list[bool]:
+        """Which sequences reach their last known token this step, and so sample a new one."""
+        return [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens, strict=True)]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # A sequence longer than the whole cache could never run, even alone.
+        self.max_model_len = min(max_model_len, block_manager.num_blocks * block_manager.block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # kept sorted by seq_id, i.e. by arrival
+        self.num_preemptions = 0
+
+    # -- admission ----------------------------------------------------------------------------------------------
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """The number of tokens a request may generate, or PromptTooLongError if it can never fit."""
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {limit} tokens, but the prompt has {num_prompt_tokens} "
+                "tokens. Shorten the prompt (it must leave room for at least one generated token)."
+            )
+        if max_tokens is None:
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > limit:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
+                "completion). Reduce the prompt or max_tokens."
+            )
+        return max_tokens
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one step -----------------------------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        scheduled: dict[Sequence, int] = {}
+        preempted: list[Sequence] = []
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new == 0:
+                break
+            while not self.block_manager.can_append(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                budget += scheduled.pop(victim, 0)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.may_append(seq, num_new)
+                scheduled[seq] = num_new
+                budget -= num_new
+        if not preempted:
+            budget = self._admit_waiting(scheduled, budget)
+        # Decodes first, longest context first (attention groups sequences of similar length), then prefills.
+        decode_seqs = sorted(
+            (s for s, n in scheduled.items() if n == 1 and s.num_uncomputed_tokens == 1), key=lambda s: -s.num_tokens
+        )
+        prefill_items = [(s, n) for s, n in scheduled.items() if not (n == 1 and s.num_uncomputed_tokens == 1)]
+        return ScheduledBatch(
+            seqs=decode_seqs + [s for s, _ in prefill_items],
+            num_new_tokens=[1] * len(decode_seqs) + [n for _, n in prefill_items],
+            num_decode_seqs=len(decode_seqs),
+            preempted=preempted,
+        )
+
+    def _admit_waiting(self, scheduled: dict[Sequence, int], budget: int) -> int:
+        """Move waiting sequences into the running set in arrival order while budget and blocks allow."""
+        skipped: list[Sequence] = []
+        size = self.block_manager.block_size
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.is_waiting_for_parent:
+                skipped.append(self.waiting.popleft())
+                continue
+            computed = self.block_manager.get_computed_blocks(seq)
+            num_new = min(seq.num_tokens - len(computed) * size, budget)
+            if not self.block_manager.can_allocate(seq, computed, num_new):
+                break  # first come, first served: later arrivals do not overtake
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, computed, num_new)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.seq_id)
+            scheduled[seq] = num_new
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
+        """Record the computed tokens and append each sampling sequence's new token (in batch order).
+        Returns the sequences that received a token; finished ones are already freed."""
+        updated: list[Sequence] = []
+        tokens = iter(sampled_token_ids)
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens = before + num_new
+            self.block_manager.cache_full_blocks(seq, before)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk that does not reach the end of the prompt yet
+            seq.append_token(next(tokens))
+            updated.append(seq)
+            if seq.check_stop(self.max_model_len):
+                self.finish(seq, seq.finish_reason or FinishReason.STOP)
+        return updated
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End `seq` now (stop condition, stop string or abort) and free its blocks."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,89 @@
+"""Greedy outputs of our engine equal transformers' token for token on the same (tiny, random) weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from local_engine.sampling_params import SamplingParams
+
+VOCAB = 160  # the tiny models' vocabulary (tests/local_engine/conftest.py)
+TinyModel = Any
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def prompts(lengths: list[int], seed: int = 0, prefix: list[int] | None = None) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(prefix or []) + torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+def check_equal(model: TinyModel, batch: list[list[int]], outputs: list[list[int]], max_new: int = 12) -> None:
+    for prompt, got in zip(batch, outputs, strict=True):
+        assert got == model.hf_greedy(prompt, max_new), f"{model.name}: prompt of {len(prompt)} tokens differs"
+
+
+def test_logits_match_transformers(family: TinyModel) -> None:
+    from local_engine.block_manager import BlockManager
+    from local_engine.scheduler import Scheduler
+    from local_engine.sequence import Sequence
+
+    engine = family.engine()
+    prompt = prompts([37])[0]
+    seq = Sequence("r", prompt, GREEDY, max_tokens=1)
+    scheduler = Scheduler(BlockManager(8, 16), max_num_seqs=1, max_num_batched_tokens=64, max_model_len=100)
+    scheduler.add(seq)
+    logits = engine.runner.run(scheduler.schedule())
+    with torch.no_grad():
+        reference = family.hf(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(logits[0], reference, rtol=1e-4, atol=1e-4)
+
+
+def test_many_lengths_in_one_batch(family: TinyModel) -> None:
+    batch = prompts([1, 5, 16, 17, 40, 3, 64, 9])
+    engine = family.engine()
+    outputs = engine.generate(batch, GREEDY)
+    check_equal(family, batch, [o[0].token_ids for o in outputs])
+
+
+def test_with_prefix_caching_hits(family: TinyModel) -> None:
+    shared = prompts([40], seed=1)[0]
+    batch = prompts([3, 20, 1], seed=2, prefix=shared)
+    engine = family.engine(max_num_seqs=1)  # one at a time, so later requests hit the cached prefix
+    outputs = engine.generate(batch, GREEDY)
+    assert engine.block_manager.num_hit_tokens >= 2 * 32
+    check_equal(family, batch, [o[0].token_ids for o in outputs])
+
+
+def test_with_chunked_prefill(llama: TinyModel) -> None:
+    batch = prompts([50, 7, 33])
+    engine = llama.engine(max_num_batched_tokens=16, max_num_seqs=4)
+    outputs = engine.generate(batch, GREEDY)
+    check_equal(llama, batch, [o[0].token_ids for o in outputs])
+
+
+def test_with_forced_preemption(family: TinyModel) -> None:
+    batch = prompts([30, 45, 20, 38, 25, 11])
+    # 8 blocks of 16 tokens: six sequences of 40-60 tokens cannot all stay resident.
+    bytes_per_block = 16 * 2 * 2 * 2 * (32 if family.name == "qwen3" else 16) * 4
+    engine = family.engine(kv_cache_memory=8 * bytes_per_block, max_num_batched_tokens=32)
+    assert engine.capacity.num_blocks == 8
+    outputs = engine.generate(batch, GREEDY)
+    assert engine.scheduler.num_preemptions > 0
+    check_equal(family, batch, [o[0].token_ids for o in outputs])
+    assert engine.block_manager.num_free_blocks == 8
+
+
+def test_eos_stops_and_is_reported(llama: TinyModel) -> None:
+    engine = llama.engine()
+    prompt = prompts([10])[0]
+    expected = llama.hf_greedy(prompt, 12)
+    eos = expected[4]
+    engine.eos_token_ids = frozenset({eos})
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    [choice] = engine.generate([prompt], params)[0:1][0]
+    assert choice.token_ids == expected[: expected.index(eos) + 1]
+    assert choice.finish_reason == "stop"
+    [choice] = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3))[0]
+    assert choice.finish_reason == "length" and len(choice.token_ids) == 3

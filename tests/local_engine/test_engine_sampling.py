@@ -1,0 +1,125 @@
+"""Sampling: seeds reproduce, filters restrict the support, penalties and min_tokens act, logprobs are the model's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from local_engine.sampler import Sampler
+from local_engine.sampling_params import SamplingParams
+from local_engine.sequence import Sequence
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
+
+
+def tokens(engine: Any, params: SamplingParams, prompts: list[list[int]] = PROMPTS) -> list[list[list[int]]]:
+    return [[c.token_ids for c in choices] for choices in engine.generate(prompts, params)]
+
+
+def test_seed_reproduces_and_differs_across_seeds(llama: Any) -> None:
+    engine = llama.engine()
+    params = SamplingParams(temperature=1.5, max_tokens=16, seed=1234, ignore_eos=True)
+    first = tokens(engine, params)
+    assert tokens(engine, params) == first
+    # Seeded requests reproduce whatever else shares the batch.
+    mixed = tokens(engine, [params, SamplingParams(temperature=1.0, max_tokens=5)], [PROMPTS[0], PROMPTS[1]])
+    assert mixed[0] == first[0]
+    other = tokens(engine, SamplingParams(temperature=1.5, max_tokens=16, seed=4321, ignore_eos=True))
+    assert other != first
+
+
+def test_seed_reproduces_under_preemption(llama: Any) -> None:
+    params = SamplingParams(temperature=1.0, max_tokens=20, seed=7, ignore_eos=True)
+    prompts = [list(range(3, 3 + n)) for n in (30, 40, 35, 25)]
+    roomy = tokens(llama.engine(), params, prompts)
+    squeezed_engine = llama.engine(kv_cache_memory=7 * 16 * 2 * 2 * 2 * 16 * 4, max_num_batched_tokens=32)
+    assert tokens(squeezed_engine, params, prompts) == roomy
+    assert squeezed_engine.scheduler.num_preemptions > 0
+
+
+def test_n_choices_share_the_prompt_and_differ(llama: Any) -> None:
+    engine = llama.engine()
+    prompt = list(range(3, 40))
+    [choices] = engine.generate([prompt], SamplingParams(n=4, temperature=1.5, max_tokens=12, seed=3, ignore_eos=True))
+    assert [c.index for c in choices] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 12 for c in choices)
+    assert len({tuple(c.token_ids) for c in choices}) > 1
+    assert engine.block_manager.num_hit_tokens >= 3 * 32  # three siblings reused the parent's two full blocks
+    [again] = engine.generate([prompt], SamplingParams(n=4, temperature=1.5, max_tokens=12, seed=3, ignore_eos=True))
+    assert [c.token_ids for c in again] == [c.token_ids for c in choices]
+
+
+def test_greedy_equivalents(llama: Any) -> None:
+    engine = llama.engine()
+    greedy = tokens(engine, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    assert tokens(engine, SamplingParams(temperature=1.0, top_k=1, max_tokens=10, ignore_eos=True)) == greedy
+    assert tokens(engine, SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=10, ignore_eos=True)) == greedy
+    assert tokens(engine, SamplingParams(temperature=1.0, min_p=1.0, max_tokens=10, ignore_eos=True)) == greedy
+
+
+def make_seqs(params: list[SamplingParams], outputs: list[list[int]]) -> list[Sequence]:
+    seqs = []
+    for p, out in zip(params, outputs, strict=True):
+        seq = Sequence("r", [3], p, max_tokens=100, eos_token_ids=frozenset({0}))
+        for t in out:
+            seq.append_token(t)
+        seqs.append(seq)
+    return seqs
+
+
+def test_top_k_limits_the_support() -> None:
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(400, 1)
+    seqs = make_seqs([SamplingParams(temperature=5.0, top_k=2)] * 400, [[]] * 400)
+    drawn = set(Sampler()(logits, seqs).token_ids)
+    assert drawn == {0, 1}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()[None, :].repeat(400, 1)
+    seqs = make_seqs([SamplingParams(temperature=1.0, top_p=0.75)] * 400, [[]] * 400)
+    assert set(Sampler()(logits, seqs).token_ids) == {0, 1}
+
+
+def test_penalties_and_min_tokens() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0, -1.0]] * 4)
+    params = [
+        SamplingParams(temperature=0.0, presence_penalty=1.0),
+        SamplingParams(temperature=0.0, frequency_penalty=0.05),
+        SamplingParams(temperature=0.0, repetition_penalty=2.0),
+        SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=(1,)),
+    ]
+    seqs = make_seqs(params, [[0], [0, 0, 0], [0], [3]])  # the prompt is [3]
+    out = Sampler()(logits, seqs).token_ids
+    assert out[0] == 1  # 3.0 - 1.0 < 2.9
+    assert out[1] == 1  # 3.0 - 0.15 < 2.9
+    assert out[2] == 1  # 3.0 / 2 < 2.9
+    seqs[3].eos_token_ids = frozenset({0})
+    assert Sampler()(logits[3:], seqs[3:]).token_ids == [2]  # EOS (0) and the stop token (1) are banned
+
+
+def test_logprobs_are_the_raw_model_distribution() -> None:
+    logits = torch.randn(3, 50)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=5),
+        SamplingParams(temperature=0.7, logprobs=0),
+        SamplingParams(),
+    ]
+    out = Sampler()(logits, make_seqs(params, [[], [], []]))
+    expected = torch.log_softmax(logits, dim=-1)
+    first = out.logprobs[0]
+    assert first is not None and first.token_id == int(logits[0].argmax())
+    assert first.logprob == pytest.approx(float(expected[0].max()), abs=1e-5)
+    assert [t for t, _ in first.top] == expected[0].topk(5).indices.tolist()
+    second = out.logprobs[1]
+    assert second is not None and second.top == []
+    assert second.logprob == pytest.approx(float(expected[1, out.token_ids[1]]), abs=1e-5)
+    assert out.logprobs[2] is None
+
+
+def test_invalid_params_are_rejected() -> None:
+    for bad in ({"top_p": 0.0}, {"temperature": -1}, {"n": 0}, {"logprobs": 21}, {"stop": ("",)}, {"max_tokens": 0}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
