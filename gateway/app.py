@@ -18,6 +18,7 @@ from starlette.routing import BaseRoute
 
 from auth.base import AccessControl, MasterKeyAccess
 from backends import Backend, build_backend
+from gateway.engine_metrics import EngineStatsCollector
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import build_middleware, http_exception_handler
 from gateway.router import Router
@@ -67,7 +68,7 @@ def create_app(
                 for deployment in model.deployments:
                     if deployment.name not in provided:
                         built[deployment.name] = build_backend(deployment, settings)
-            app.state.router = Router(routing, {**built, **provided})
+            app.state.router = engine_collector.router = Router(routing, {**built, **provided})
             yield
         finally:
             # Shutdown (after the server stopped accepting and in-flight requests finished or were cut):
@@ -82,9 +83,12 @@ def create_app(
             for hook in on_shutdown:
                 await hook()
 
+    metrics = GatewayMetrics()
+    engine_collector = EngineStatsCollector()
+    metrics.registry.register(engine_collector)
     app = Starlette(
         routes=[*openai_routes(), *anthropic.routes(), *responses.routes(), *health_routes(), *extra_routes],
-        middleware=build_middleware(settings, metrics := GatewayMetrics()),
+        middleware=build_middleware(settings, metrics),
         exception_handlers={HTTPException: http_exception_handler},
         lifespan=lifespan,
     )

@@ -30,6 +30,32 @@ def serve(
     run(settings)
 
 
+engine_app = typer.Typer(name="engine", help="The local inference engine.", no_args_is_help=True)
+app.add_typer(engine_app)
+
+
+@engine_app.command("serve")
+def engine_serve(
+    model: Annotated[str | None, typer.Option(help="HF directory or .gguf file. Default: the bundled SmolLM2.")] = None,
+    model_id: Annotated[str | None, typer.Option(help="Public model id. Default: smollm2-135m-instruct.")] = None,
+    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port.")] = 8000,
+    api_key: Annotated[str | None, typer.Option(envvar="UNIGATE_ENGINE_API_KEY", help="Require this key.")] = None,
+) -> None:
+    """Serve the local engine alone as an OpenAI-compatible server (route a gateway to it as `type: openai`)."""
+    import uvicorn
+
+    from gateway.engine_server import create_engine_app
+    from gateway.logging import configure_logging
+    from gateway.settings import Settings
+
+    settings = Settings()
+    updates = {k: v for k, v in {"model_path": model, "model_id": model_id}.items() if v}
+    settings = settings.model_copy(update={"engine": settings.engine.model_copy(update=updates)})
+    configure_logging(settings.log_level, settings.log_format)
+    uvicorn.run(create_engine_app(settings, api_key=api_key), host=host, port=port, log_config=None)
+
+
 def _register_command_groups() -> None:
     from auth.cli import register as register_keys
     from bench.cli import register as register_bench

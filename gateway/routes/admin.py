@@ -18,6 +18,7 @@ from auth.admin import KeyCreateBody, KeyUpdateBody, parse_body, record_json, to
 from auth.base import extract_credential
 from auth.master_key import read_master_key
 from auth.store import KeyStore
+from gateway.engine_metrics import local_engine_stats
 from gateway.errors import AuthError, InvalidRequestError, PermissionDeniedError
 
 __all__ = ["admin_routes"]
@@ -126,6 +127,13 @@ async def total_usage(request: Request) -> Response:
     return _json(totals_json(await store.totals()))
 
 
+async def engine_stats(request: Request) -> Response:
+    """`GET /admin/engine`: the stats of every local-engine deployment (queues, KV blocks, prefix-cache hit rate,
+    memory: weights / KV cache / peak, token rates, capacity)."""
+    await _admin_store(request)
+    return _json({"object": "list", "data": local_engine_stats(request.app.state.router)})
+
+
 def admin_routes() -> list[Route]:
     return [
         Route("/admin/keys", create_key, methods=["POST"]),
@@ -136,4 +144,5 @@ def admin_routes() -> list[Route]:
         Route("/admin/keys/{key_id}/rotate", rotate_key, methods=["POST"]),
         Route("/admin/keys/{key_id}/usage", key_usage, methods=["GET"]),
         Route("/admin/usage", total_usage, methods=["GET"]),
+        Route("/admin/engine", engine_stats, methods=["GET"]),
     ]

@@ -1,0 +1,83 @@
+"""Local-engine stats for `/metrics` and `GET /admin/engine`, read from each engine at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway.router import Router
+
+__all__ = ["EngineStatsCollector", "local_engine_stats"]
+
+# stat key -> (metric name, help); gauges
+_GAUGES = {
+    "num_running_seqs": ("unigate_engine_running_seqs", "Sequences being decoded or prefilled."),
+    "num_waiting_seqs": ("unigate_engine_waiting_seqs", "Sequences queued for a slot."),
+    "num_preempted_seqs": ("unigate_engine_preempted_seqs", "Waiting sequences that were preempted (recompute)."),
+    "kv_blocks_total": ("unigate_engine_kv_blocks_total", "KV cache blocks."),
+    "kv_blocks_used": ("unigate_engine_kv_blocks_used", "KV cache blocks in use."),
+    "kv_blocks_free": ("unigate_engine_kv_blocks_free", "KV cache blocks free."),
+    "kv_utilization": ("unigate_engine_kv_utilization", "Tokens stored / token slots allocated."),
+    "prefix_cache_hit_rate": ("unigate_engine_prefix_cache_hit_rate", "Share of prompt tokens served from cache."),
+    "prompt_tokens_per_s": ("unigate_engine_prompt_tokens_per_second", "Recent prefill throughput."),
+    "generation_tokens_per_s": ("unigate_engine_generation_tokens_per_second", "Recent decode throughput."),
+}
+# stat key -> (metric name without _total, help); counters
+_COUNTERS = {
+    "num_preemptions_total": ("unigate_engine_preemptions", "Preemptions since start."),
+    "prompt_tokens_total": ("unigate_engine_prompt_tokens", "Prompt tokens computed since start."),
+    "generation_tokens_total": ("unigate_engine_generation_tokens", "Tokens generated since start."),
+}
+
+
+def local_engine_stats(router: Router | None) -> list[dict[str, Any]]:
+    """`stats()` of every deployment whose backend has one (the local engines), with its public model id."""
+    if router is None:
+        return []
+    result = []
+    for deployment in router.deployments:
+        stats = getattr(deployment.backend, "stats", None)
+        if callable(stats):
+            result.append({"model": deployment.config.id, **stats()})
+    return result
+
+
+class EngineStatsCollector(Collector):
+    """Prometheus collector over the app's router (set once the lifespan has built it)."""
+
+    def __init__(self) -> None:
+        self.router: Router | None = None
+
+    def describe(self) -> list[Metric]:
+        return []  # collected on demand: the engines do not exist yet when the collector is registered
+
+    def collect(self) -> Iterator[Metric]:
+        engines = [s for s in local_engine_stats(self.router) if s.get("loaded")]
+        labels = ["model", "deployment"]
+        loaded = GaugeMetricFamily("unigate_engine_loaded", "1 once the model is loaded.", labels=labels)
+        for stats in local_engine_stats(self.router):
+            loaded.add_metric([stats["model"], stats["name"]], 1.0 if stats.get("loaded") else 0.0)
+        yield loaded
+        for key, (name, help_text) in _GAUGES.items():
+            gauge = GaugeMetricFamily(name, help_text, labels=labels)
+            for stats in engines:
+                if isinstance(stats.get(key), int | float):
+                    gauge.add_metric([stats["model"], stats["name"]], float(stats[key]))
+            yield gauge
+        for key, (name, help_text) in _COUNTERS.items():
+            counter = CounterMetricFamily(name, help_text, labels=labels)
+            for stats in engines:
+                if isinstance(stats.get(key), int | float):
+                    counter.add_metric([stats["model"], stats["name"]], float(stats[key]))
+            yield counter
+        memory = GaugeMetricFamily(
+            "unigate_engine_memory_bytes", "Engine memory: weights, kv_cache, peak.", labels=[*labels, "kind"]
+        )
+        for stats in engines:
+            for kind, value in (stats.get("memory_bytes") or {}).items():
+                if isinstance(value, int | float):
+                    memory.add_metric([stats["model"], stats["name"], kind], float(value))
+        yield memory
