@@ -177,6 +177,7 @@ class RedisAccess:
         """`rate_window_s` is the RPM/TPM window: 60 s in production; tests shorten it to cross its edge."""
         self._redis = redis
         self._store = KeyStore(redis)
+        self._pipe = redis  # type: ignore # admit / settle / upstream leases, auto-pipelined
         self._blocking = _blocking_client(redis, read_timeout_s=_POLL_S + 1.0)
         self._master_key = master_key.encode()
         self._master = Principal(key_id=None, name="master", is_master=True)
@@ -216,6 +217,7 @@ class RedisAccess:
                 task.cancel()
             _, tasks = await asyncio.wait(tasks, timeout=0.1)
         self._listener = None
+        pass
         await self._blocking.aclose()
 
     async def ping(self) -> bool:
@@ -290,6 +292,7 @@ class RedisAccess:
         for pool in (self._redis.connection_pool, self._blocking.connection_pool):
             with contextlib.suppress(RedisError, OSError):
                 await pool.disconnect(inuse_connections=False)
+        pass
 
     def _check_redis_up(self) -> None:
         if time.monotonic() < self._redis_down_until:
@@ -356,7 +359,7 @@ class RedisAccess:
             if key_id is None:
                 raise _unknown_key_error()
             reply = await scripts.admit_request(
-                self._redis,
+                self._pipe,
                 key_id=key_id,
                 key_hash=key_hash,
                 model=model,
@@ -395,7 +398,7 @@ class RedisAccess:
         try:
             self._check_redis_up()
             await scripts.settle_request(
-                self._redis,
+                self._pipe,
                 key_id=key_id,
                 request_id=admission.lease_id or new_request_id(),
                 reserved_tokens=admission.reserved_tokens,
@@ -423,7 +426,7 @@ class RedisAccess:
             self._check_redis_up()
             while True:
                 is_held, entry = await scripts.acquire_upstream(
-                    self._redis,
+                    self._pipe,
                     deployment=deployment,
                     lease_id=lease_id,
                     max_in_flight=max_in_flight,
@@ -465,7 +468,7 @@ class RedisAccess:
         """Leave the queue; a slot handed over in the meantime passes on to the next waiter."""
         try:
             await scripts.release_upstream(
-                self._redis, deployment=deployment, lease_id=lease_id, queue_entry=entry, handoff_ttl_ms=_HANDOFF_TTL_MS
+                self._pipe, deployment=deployment, lease_id=lease_id, queue_entry=entry, handoff_ttl_ms=_HANDOFF_TTL_MS
             )
         except StorageError as exc:
             await self._note_failure("release_upstream", exc)

@@ -9,6 +9,10 @@ Failures before the first byte (auth, 404, limits, every retry and fallback fail
 `json()`, so the route can still answer with a proper status. Usage is settled and leases released exactly
 once, in every outcome, by `json()` or by `chunks()`'s `finally` (also when the client disconnects); call
 `aclose()` if you drop a streaming call without iterating it.
+
+`call.settle_after_response()` (master key only, where settling cannot change any later admission) leaves the
+settle to `aclose()`, which the route then MUST run once the response is sent: the client does not wait for
+that Redis round trip.
 """
 
 from __future__ import annotations
@@ -120,6 +124,8 @@ class Call:
         self._deployment: Deployment | None = None
         self._lease: UpstreamLease | None = None
         self._is_closed = False
+        self._is_settled = False
+        self._settles_late = False
 
     @property
     def model(self) -> str:
@@ -134,8 +140,15 @@ class Call:
             raise
         usage = data.get("usage")
         self._usage = usage if isinstance(usage, dict) else None
-        await self.aclose()
+        await self._finish()
         return data
+
+    def settle_after_response(self) -> bool:
+        """Leave the settle to `aclose()`, run by the route after the response was sent — only for the master
+        key, whose usage record no admission depends on (a key's settle frees its concurrency lease and tokens,
+        so the client's next request must see it done). Returns whether the settle was deferred."""
+        self._settles_late = self.admission.principal.is_master
+        return self._settles_late
 
     async def chunks(self) -> AsyncGenerator[Json, None]:
         """The streamed chunks, validated/repaired; the usage chunk is stripped unless the client asked."""
@@ -159,10 +172,24 @@ class Call:
             self.metrics.errors.labels(error.code).inc()
             raise
         finally:
-            await self.aclose()
+            await self._finish()
 
     async def aclose(self) -> None:
         """Close the upstream stream, release the deployment and lease, settle usage. Idempotent."""
+        try:
+            await self._release_all()
+        finally:
+            if not self._is_settled:
+                self._is_settled = True
+                await self._settle()
+
+    async def _finish(self) -> None:
+        if self._settles_late:
+            await self._release_all()
+        else:
+            await self.aclose()
+
+    async def _release_all(self) -> None:
         if self._is_closed:
             return
         self._is_closed = True
@@ -175,7 +202,6 @@ class Call:
             if self._deployment is not None:
                 self._deployment.num_in_flight -= 1
             await self._release(self._lease)
-            await self._settle()
 
     async def open_stream(self) -> None:
         self._upstream, self._first = await self.router.execute(self.target, self._stream_attempt)

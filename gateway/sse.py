@@ -116,8 +116,10 @@ class EventStreamResponse(Response):
         await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
         pump = asyncio.ensure_future(self._pump(send))
         watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        is_complete = False
         try:
             await asyncio.wait((pump, watcher), return_when=asyncio.FIRST_COMPLETED)
+            is_complete = pump.done() and not pump.cancelled() and pump.exception() is None
         except asyncio.CancelledError:
             # The server's shutdown deadline passed: tell the client first (the server closes connections soon
             # after cancelling us), then stop the upstream and settle (which may wait on Redis).
@@ -136,9 +138,11 @@ class EventStreamResponse(Response):
             if not pump.done():  # the client went away first
                 await _cancel(pump)
             watcher.cancel()
-            await self._close()
-        if pump.done() and not pump.cancelled() and pump.exception() is None:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            try:
+                if is_complete:  # end the response first: the client need not wait for `on_close` (settling)
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finally:
+                await self._close()
 
     async def _pump(self, send: Send) -> None:
         is_first = True

@@ -14,6 +14,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from auth.base import AccessControl, extract_credential
 from backends.base import Endpoint, Json
@@ -91,11 +92,28 @@ def _check_present(body: Json, name: str, example: str) -> None:
         raise _invalid(f'`{name}` is {what}. Send e.g. "{name}": {example}.', name)
 
 
+class _SettleAfterResponse(JSONBytesResponse):
+    """Sends the body, then settles the call (`Call.settle_after_response`), whatever happened while sending."""
+
+    def __init__(self, content: bytes, *, headers: dict[str, str], call: Call) -> None:
+        super().__init__(content, headers=headers)
+        self.call = call
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.call.aclose()
+
+
 async def _respond(request: Request, endpoint: Endpoint, body: Json, stream: bool) -> Response:
     call = await open_call(request, endpoint=endpoint, body=body, model=require_model(body), stream=stream)
+    is_late = call.settle_after_response()
     if stream:
         return EventStreamResponse(_encode(call), headers=call.headers, on_close=call.aclose)
     data = await call.json()
+    if is_late:
+        return _SettleAfterResponse(orjson.dumps(data), headers=call.headers, call=call)
     return JSONBytesResponse(orjson.dumps(data), headers=call.headers)
 
 

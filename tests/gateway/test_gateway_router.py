@@ -52,11 +52,12 @@ async def test_retry_moves_to_the_other_deployment(fake_upstream_factory: Any) -
     a.behave(mode="drop")
     async with asgi_client(build_app(two_deployments(a, b))) as client:
         # The pick among idle deployments is random: send until `a` has failed max_fails=2 times.
-        for num_sent in range(1, 41):
+        num_sent = 0
+        while len(a.requests) < 2:
+            assert num_sent < 40, "the router never picked deployment `a`"
             response = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+            num_sent += 1
             assert response.status_code == 200  # every failure on `a` was retried on `b`
-            if len(a.requests) == 2:
-                break
         assert len(a.requests) == 2 and len(b.requests) == num_sent
         for _ in range(4):
             response = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
