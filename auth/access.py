@@ -177,7 +177,7 @@ class RedisAccess:
         """`rate_window_s` is the RPM/TPM window: 60 s in production; tests shorten it to cross its edge."""
         self._redis = redis
         self._store = KeyStore(redis)
-        self._pipe = redis  # type: ignore # admit / settle / upstream leases, auto-pipelined
+        self._pipe = scripts.CommandPipe(redis)  # admit / settle / upstream leases, auto-pipelined
         self._blocking = _blocking_client(redis, read_timeout_s=_POLL_S + 1.0)
         self._master_key = master_key.encode()
         self._master = Principal(key_id=None, name="master", is_master=True)
@@ -217,7 +217,7 @@ class RedisAccess:
                 task.cancel()
             _, tasks = await asyncio.wait(tasks, timeout=0.1)
         self._listener = None
-        pass
+        await self._pipe.aclose()
         await self._blocking.aclose()
 
     async def ping(self) -> bool:
@@ -292,7 +292,7 @@ class RedisAccess:
         for pool in (self._redis.connection_pool, self._blocking.connection_pool):
             with contextlib.suppress(RedisError, OSError):
                 await pool.disconnect(inuse_connections=False)
-        pass
+        await self._pipe.disconnect()
 
     def _check_redis_up(self) -> None:
         if time.monotonic() < self._redis_down_until:

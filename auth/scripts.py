@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -46,17 +47,24 @@ class StorageError(UnavailableError):
     code = "storage_unavailable"
 
 
+_STORAGE_FAILURES = (TimeoutError, RedisError, OSError)
+
+
+def _storage_error(exc: BaseException) -> StorageError:
+    return StorageError(
+        f"The key store (Redis) is unavailable ({type(exc).__name__}). Retry shortly; if it persists, check "
+        "that Redis is running and reachable from the gateway.",
+        headers={"retry-after": "1"},
+    )
+
+
 @asynccontextmanager
 async def storage_errors() -> AsyncIterator[None]:
     """Translate every Redis/socket failure inside the block into `StorageError`."""
     try:
         yield
-    except (TimeoutError, RedisError, OSError) as exc:
-        raise StorageError(
-            f"The key store (Redis) is unavailable ({type(exc).__name__}). Retry shortly; if it persists, check "
-            "that Redis is running and reachable from the gateway.",
-            headers={"retry-after": "1"},
-        ) from exc
+    except _STORAGE_FAILURES as exc:
+        raise _storage_error(exc) from exc
 
 
 _MAX_WRITE_BUFFER = 64 * 1024  # wait for the socket to drain only past this many unsent bytes
@@ -81,6 +89,7 @@ class CommandPipe:
         self._queue: list[tuple[tuple[EncodableT, ...], asyncio.Future[Any]]] = []
         self._wakeup: asyncio.Future[None] | None = None
         self._worker: asyncio.Task[None] | None = None
+        self._is_closing = False
 
     async def execute(self, *args: EncodableT) -> Any:
         loop = asyncio.get_running_loop()
@@ -106,6 +115,7 @@ class CommandPipe:
 
     async def aclose(self) -> None:
         """Finish what was queued, then stop the worker and close the connection."""
+        self._is_closing = True
         worker, self._worker = self._worker, None
         if worker is not None:
             if self._wakeup is not None and not self._wakeup.done():
@@ -128,6 +138,10 @@ class CommandPipe:
         loop = asyncio.get_running_loop()
         while True:
             if not self._queue:
+                if self._is_closing:  # a late command after aclose() was served: close again
+                    with contextlib.suppress(RedisError, OSError):
+                        await self._connection.disconnect(nowait=True)
+                    return
                 self._wakeup = loop.create_future()
                 try:
                     await self._wakeup
@@ -149,15 +163,17 @@ class CommandPipe:
                     raise
 
     async def _read_replies(self, batch: list[tuple[tuple[EncodableT, ...], asyncio.Future[Any]]]) -> None:
-        for _, future in batch:
-            try:
-                reply = await self._connection.read_response()
-            except ResponseError as error:  # an error reply: only this command failed
-                if not future.done():
-                    future.set_exception(error)
-            else:
-                if not future.done():
-                    future.set_result(reply)
+        # One deadline for the whole batch instead of redis-py's timeout context around every reply.
+        async with asyncio.timeout(self._timeout_s):
+            for _, future in batch:
+                try:
+                    reply = await self._connection.read_response(timeout=math.inf)
+                except ResponseError as error:  # an error reply: only this command failed
+                    if not future.done():
+                        future.set_exception(error)
+                else:
+                    if not future.done():
+                        future.set_result(reply)
 
     async def _send(self, batch: list[tuple[tuple[EncodableT, ...], asyncio.Future[Any]]]) -> None:
         connection = self._connection
@@ -191,12 +207,15 @@ class LuaScript:
             await redis.script_load(self.source)
 
     async def __call__(self, redis: Redis | CommandPipe, keys: Sequence[str], args: Sequence[str | int | float]) -> Any:
-        async with storage_errors():
+        # The same translation as `storage_errors()`, inlined: this runs twice per request.
+        try:
             try:
                 return await redis.evalsha(self.sha, len(keys), *keys, *args)
             except NoScriptError:
                 await redis.script_load(self.source)
                 return await redis.evalsha(self.sha, len(keys), *keys, *args)
+        except _STORAGE_FAILURES as exc:
+            raise _storage_error(exc) from exc
 
 
 _ADMIT = LuaScript("admit_request")

@@ -2,7 +2,7 @@
 
 Why aiohttp and not httpx: measured on the 2-core benchmark box against the same fake upstream, httpx 0.28's
 pool collapses under concurrency (~2,100 req/s at c=1, ~300 req/s at c=32), httpx over an aiohttp transport
-reaches ~3,600 req/s, and aiohttp alone ~11,000-14,000 req/s (see docs/gateway.md, "Benchmark").
+reaches ~3,600 req/s, and aiohttp alone ~11,000-14,000 req/s (see the README, Gateway > Benchmark).
 
 Every client exception and every upstream failure status is translated to a `gateway.errors` type here, at the
 boundary (the way httpx maps httpcore's exceptions). Messages never carry the upstream key or the base_url host.
@@ -67,6 +67,11 @@ class OpenAIBackend:
         self._timeout = aiohttp.ClientTimeout(
             total=None, connect=connect_timeout_s, sock_read=min(read_timeout_s, timeout_s)
         )
+        # Non-streaming calls: aiohttp's own deadline over the whole exchange (headers and body), which costs less
+        # per request than an asyncio.timeout() around it; both raise TimeoutError.
+        self._send_timeout = aiohttp.ClientTimeout(
+            total=timeout_s, connect=connect_timeout_s, sock_read=min(read_timeout_s, timeout_s)
+        )
         self._max_connections = max_connections
         self._keepalive_s = keepalive_s
         self._session: aiohttp.ClientSession | None = None
@@ -100,11 +105,10 @@ class OpenAIBackend:
 
     async def send(self, endpoint: Endpoint, body: Json, *, request_id: str) -> Json:
         try:
-            async with asyncio.timeout(self.timeout_s):
-                async with self._client().post(
-                    endpoint, data=orjson.dumps(body), headers={"x-request-id": request_id}
-                ) as response:
-                    content = await response.read()
+            async with self._client().post(
+                endpoint, data=orjson.dumps(body), headers={"x-request-id": request_id}, timeout=self._send_timeout
+            ) as response:
+                content = await response.read()
         except TimeoutError:
             raise self._timeout_error() from None
         except aiohttp.ClientError as exc:

@@ -5,7 +5,11 @@
 Three processes: the fake upstream (tests/fakes/upstream.py, uvloop), the gateway (`gateway.server.run`, one
 uvicorn worker, uvloop + httptools), and this load generator (aiohttp, uvloop, closed loop: `c` clients each
 sending the next request when the previous one finished). Prints requests/s and p50/p99 latency per concurrency
-for non-streaming calls, p50/p99 time to first token for streaming calls, and the overhead (gateway - direct).
+for non-streaming calls, p50/p99 time to first token for streaming calls, the overhead (gateway - direct), and
+the gateway process's CPU time per request (Linux): on a box shared with other work the latencies swing from run
+to run, the CPU cost per request much less, so compare that one between versions.
+
+The gateway's embedded Redis lives in a temporary data directory, so runs never load (or grow) a real one.
 """
 
 from __future__ import annotations
@@ -37,6 +41,13 @@ class Result:
     seconds: float
     latencies_ms: list[float]
     num_errors: int
+    cpu_s: float | None = None  # CPU time the measured server process used during the run (None: unknown)
+
+    @property
+    def cpu_us_per_request(self) -> float:
+        if self.cpu_s is None or not self.num_requests:
+            return float("nan")
+        return self.cpu_s / self.num_requests * 1e6
 
     @property
     def rps(self) -> float:
@@ -47,6 +58,17 @@ class Result:
         if not values:
             return float("nan")
         return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def process_cpu_s(pid: int | None) -> float | None:
+    """User + system CPU seconds of a process so far (Linux /proc), None elsewhere."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -82,7 +104,15 @@ async def one_request(session: aiohttp.ClientSession, url: str, *, stream: bool)
         return first
 
 
-async def load(url: str, *, concurrency: int, seconds: float, stream: bool, api_key: str = MASTER_KEY) -> Result:
+async def load(
+    url: str,
+    *,
+    concurrency: int,
+    seconds: float,
+    stream: bool,
+    api_key: str = MASTER_KEY,
+    server_pid: int | None = None,
+) -> Result:
     headers = {"authorization": f"Bearer {api_key}", "content-type": "application/json"}
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
     latencies: list[float] = []
@@ -101,9 +131,12 @@ async def load(url: str, *, concurrency: int, seconds: float, stream: bool, api_
                     num_errors += 1
 
         started = time.perf_counter()
+        cpu_before = process_cpu_s(server_pid)
         await asyncio.gather(*(client() for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
-    return Result(len(latencies), elapsed, latencies, num_errors)
+        cpu_after = process_cpu_s(server_pid)
+    cpu_s = cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None
+    return Result(len(latencies), elapsed, latencies, num_errors, cpu_s)
 
 
 def start_processes(tmp: Path) -> tuple[list[subprocess.Popen[bytes]], str, str]:
@@ -124,6 +157,7 @@ def start_processes(tmp: Path) -> tuple[list[subprocess.Popen[bytes]], str, str]
         "UNIGATE_MASTER_KEY": MASTER_KEY,
         "UNIGATE_PORT": str(gateway_port),
         "UNIGATE_ENGINE__ENABLED": "false",
+        "UNIGATE_DATA_DIR": str(tmp / "data"),
         "UNIGATE_LOG_LEVEL": os.environ.get("UNIGATE_LOG_LEVEL", "warning"),
     }
     code = "from gateway.server import run; from gateway.settings import Settings; run(Settings(_env_file=None))"
@@ -156,7 +190,9 @@ def main() -> None:
                 print(f"direct: {direct_url}\ngateway: {gateway_url}\n(ctrl-c to stop)", flush=True)
                 signal.pause()
             limited_key = create_limited_key(gateway_url) if args.limits else None
-            rows = uvloop.run(run_all(levels, args.seconds, direct_url, gateway_url, limited_key))
+            rows = uvloop.run(
+                run_all(levels, args.seconds, direct_url, gateway_url, limited_key, gateway_pid=processes[1].pid)
+            )
         finally:
             for process in processes:
                 process.send_signal(signal.SIGINT)
@@ -177,18 +213,31 @@ def create_limited_key(gateway_url: str) -> str:
 
 
 async def run_all(
-    levels: list[int], seconds: float, direct_url: str, gateway_url: str, limited_key: str | None
+    levels: list[int],
+    seconds: float,
+    direct_url: str,
+    gateway_url: str,
+    limited_key: str | None,
+    *,
+    gateway_pid: int | None = None,
 ) -> list[tuple[str, int, Result, Result]]:
     rows = []
     for stream in (False, True):
         mode = "stream TTFT" if stream else "non-stream"
         for concurrency in levels:
             direct = await load(direct_url, concurrency=concurrency, seconds=seconds, stream=stream)
-            through = await load(gateway_url, concurrency=concurrency, seconds=seconds, stream=stream)
+            through = await load(
+                gateway_url, concurrency=concurrency, seconds=seconds, stream=stream, server_pid=gateway_pid
+            )
             rows.append((mode, concurrency, direct, through))
             if limited_key is not None:
                 limited = await load(
-                    gateway_url, concurrency=concurrency, seconds=seconds, stream=stream, api_key=limited_key
+                    gateway_url,
+                    concurrency=concurrency,
+                    seconds=seconds,
+                    stream=stream,
+                    api_key=limited_key,
+                    server_pid=gateway_pid,
                 )
                 rows.append((f"{mode}+limits", concurrency, direct, limited))
     return rows
@@ -197,7 +246,8 @@ async def run_all(
 def print_table(rows: list[tuple[str, int, Result, Result]]) -> None:
     header = (
         f"{'mode':<18} {'c':>4} | {'direct req/s':>12} {'p50 ms':>8} {'p99 ms':>8} | "
-        f"{'gateway req/s':>13} {'p50 ms':>8} {'p99 ms':>8} | {'added p50 ms':>12} {'added p99 ms':>12} {'errors':>6}"
+        f"{'gateway req/s':>13} {'p50 ms':>8} {'p99 ms':>8} | {'added p50 ms':>12} {'added p99 ms':>12} "
+        f"{'gw cpu us/req':>13} {'errors':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -206,7 +256,8 @@ def print_table(rows: list[tuple[str, int, Result, Result]]) -> None:
             f"{mode:<18} {concurrency:>4} | {direct.rps:>12.0f} {direct.percentile(0.5):>8.2f} "
             f"{direct.percentile(0.99):>8.2f} | {through.rps:>13.0f} {through.percentile(0.5):>8.2f} "
             f"{through.percentile(0.99):>8.2f} | {through.percentile(0.5) - direct.percentile(0.5):>12.2f} "
-            f"{through.percentile(0.99) - direct.percentile(0.99):>12.2f} {direct.num_errors + through.num_errors:>6}"
+            f"{through.percentile(0.99) - direct.percentile(0.99):>12.2f} {through.cpu_us_per_request:>13.0f} "
+            f"{direct.num_errors + through.num_errors:>6}"
         )
 
 

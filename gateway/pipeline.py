@@ -221,7 +221,7 @@ class Call:
             return data
         finally:
             deployment.num_in_flight -= 1
-            self.metrics.upstream_latency.labels(deployment.name, outcome).observe(time.perf_counter() - started)
+            self.metrics.observe_upstream(deployment.name, outcome, time.perf_counter() - started)
             await self._release(lease)
 
     async def _stream_attempt(self, deployment: Deployment, target: Target) -> tuple[AsyncIterator[Json], Json]:
@@ -238,13 +238,13 @@ class Call:
             first = normalize_chunk(self.endpoint, first)
         except BaseException:
             deployment.num_in_flight -= 1
-            self.metrics.upstream_latency.labels(deployment.name, "error").observe(time.perf_counter() - started)
+            self.metrics.observe_upstream(deployment.name, "error", time.perf_counter() - started)
             aclose = getattr(upstream, "aclose", None)
             if aclose is not None:
                 await aclose()
             await self._release(lease)
             raise
-        self.metrics.upstream_latency.labels(deployment.name, "ok").observe(time.perf_counter() - started)
+        self.metrics.observe_upstream(deployment.name, "ok", time.perf_counter() - started)
         self._deployment, self._lease = deployment, lease
         return upstream, first
 
@@ -313,8 +313,7 @@ class Call:
             num_prompt = self._num_prompt_tokens
             num_completion = -(-self._num_completion_chars // _CHARS_PER_TOKEN)
         if num_prompt or num_completion:
-            self.metrics.tokens.labels(self.model, "in").inc(num_prompt)
-            self.metrics.tokens.labels(self.model, "out").inc(num_completion)
+            self.metrics.count_tokens(self.model, num_prompt, num_completion)
         try:
             await self.access.settle(self.admission, prompt_tokens=num_prompt, completion_tokens=num_completion)
         except Exception:

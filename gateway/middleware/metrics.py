@@ -44,9 +44,7 @@ class MetricsMiddleware:
             # The route template, never the raw path: unknown paths must not create unbounded label values.
             template = getattr(route, "path", "other")
             model = state.get("model", "")
-            status_label = str(status)
-            self.metrics.requests.labels(model, template, status_label).inc()
-            self.metrics.request_latency.labels(model, template, status_label).observe(elapsed)
+            self.metrics.observe_request(model, template, str(status), elapsed)
             if logger.isEnabledFor(logging.INFO):
                 logger.info(
                     "%s %s %d %.1fms",

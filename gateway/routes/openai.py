@@ -35,7 +35,11 @@ class JSONBytesResponse(Response):
 
 
 async def read_json_body(request: Request) -> Json:
-    """The body as a JSON object; 400 `invalid_json` with the parse position otherwise."""
+    """The body as a JSON object; 400 `invalid_json` with the parse position otherwise.
+
+    A missing or malformed key header is reported first (401, no Redis needed), before anything about the body,
+    so a misconfigured client learns about its key before it learns about its payload."""
+    extract_credential(request.headers)
     raw = await request.body()
     try:
         body = orjson.loads(raw)
