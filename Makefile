@@ -31,7 +31,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 bench-gateway: $(STAMP)
-	$(BIN)/python benchmarks/gateway_overhead.py
+	$(BIN)/python benchmarks/gateway_overhead.py --limits
 
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine_throughput.py
