@@ -5,7 +5,6 @@ Percentiles interpolate linearly between closest ranks (numpy's default), so p50
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
 from collections import Counter
@@ -174,12 +173,14 @@ def slo_result(levels: list[dict[str, Any]], slo: list[SloTarget]) -> dict[str, 
 
 
 def find_saturation(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The level after which more load stops buying throughput (< 10% more output tokens/s); None if it never does."""
+    """The level after which more load stops buying throughput: no higher level reaches 10% more output tokens/s
+    (a plateau followed by growth, e.g. a noisy level, is not saturation); None if the last level still grows."""
     if not levels:
         return None
     key = "concurrency" if "concurrency" in levels[0] else "rate"
     ordered = sorted(levels, key=lambda lv: lv[key])
-    for previous, current in itertools.pairwise(ordered):
-        if current["output_throughput"] < previous["output_throughput"] * (1 + SATURATION_GROWTH):
-            return {key: previous[key], "output_throughput": previous["output_throughput"]}
+    for index, level in enumerate(ordered[:-1]):
+        best_after = max(later["output_throughput"] for later in ordered[index + 1 :])
+        if best_after < level["output_throughput"] * (1 + SATURATION_GROWTH):
+            return {key: level[key], "output_throughput": level["output_throughput"]}
     return None

@@ -82,3 +82,8 @@ def test_saturation_is_where_throughput_stops_growing() -> None:
     levels = [_level(1, 1, 10), _level(8, 1, 70), _level(16, 1, 100), _level(32, 1, 104)]
     assert find_saturation(levels) == {"concurrency": 16, "output_throughput": 100}
     assert find_saturation(levels[:3]) is None
+
+
+def test_a_plateau_followed_by_growth_is_not_saturation() -> None:
+    levels = [_level(1, 1, 20), _level(8, 1, 75), _level(16, 1, 77), _level(32, 1, 122), _level(64, 1, 125)]
+    assert find_saturation(levels) == {"concurrency": 32, "output_throughput": 122}
