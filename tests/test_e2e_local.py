@@ -90,6 +90,8 @@ def test_engine_stats_in_admin_and_metrics(gateway: ThreadedServer) -> None:
     assert engine["kv_blocks_total"] == engine["kv_blocks_used"] + engine["kv_blocks_free"]
     assert engine["memory_bytes"]["weights"] > 100 * 2**20  # 135M params in float32
     assert engine["generation_tokens_total"] > 0
+    model = httpx.get(f"{gateway.url}/v1/models/{MODEL}", headers=headers).json()
+    assert model["dtype"] == engine["dtype"] == "float32" and model["max_model_len"] == engine["max_model_len"]
     metrics = httpx.get(f"{gateway.url}/metrics").text
     assert f'unigate_engine_kv_blocks_total{{deployment="{engine["name"]}",model="{MODEL}"}}' in metrics
     assert "unigate_engine_generation_tokens_total" in metrics

@@ -152,13 +152,21 @@ async def embeddings(request: Request) -> Response:
 
 
 def _model_object(route: ModelRoute, created: int) -> Json:
-    return {
+    model: Json = {
         "id": route.id,
         "object": "model",
         "created": created,
         "owned_by": "unigate",
         "aliases": route.config.aliases,
     }
+    for deployment in route.deployments:  # a local engine reports what benchmarks record (dtype, context length)
+        stats = getattr(deployment.backend, "stats", None)
+        if callable(stats):
+            info = stats()
+            if info.get("loaded"):
+                model.update(dtype=info.get("dtype"), max_model_len=info.get("max_model_len"), engine="unigate")
+            break
+    return model
 
 
 async def list_models(request: Request) -> Response:
