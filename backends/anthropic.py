@@ -19,7 +19,6 @@ from backends.base import Endpoint, Json
 from backends.openai import OpenAIBackend
 from gateway.errors import InvalidRequestError
 from gateway.normalize import malformed
-from gateway.settings import Settings
 from gateway.translate.anthropic_upstream import (
     chat_to_messages,
     error_from_event,
@@ -52,18 +51,6 @@ class AnthropicBackend(OpenAIBackend):
         if api_key:
             self._headers["x-api-key"] = api_key
             self._secrets.append(api_key)
-
-    @classmethod
-    def from_config(cls, deployment: Any, settings: Settings) -> AnthropicBackend:
-        return cls(
-            deployment.name,
-            base_url=deployment.base_url,
-            api_key=deployment.api_key,
-            timeout_s=deployment.timeout_s or settings.request_timeout_s,
-            connect_timeout_s=deployment.connect_timeout_s or settings.connect_timeout_s,
-            read_timeout_s=settings.read_timeout_s,
-            max_connections=deployment.max_connections,
-        )
 
     def supports(self, endpoint: Endpoint) -> bool:
         return endpoint in _NATIVE or endpoint == "chat/completions"

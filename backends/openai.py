@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Self
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -77,7 +77,7 @@ class OpenAIBackend:
         self._session: aiohttp.ClientSession | None = None
 
     @classmethod
-    def from_config(cls, deployment: Any, settings: Settings) -> OpenAIBackend:
+    def from_config(cls, deployment: Any, settings: Settings) -> Self:
         return cls(
             deployment.name,
             base_url=deployment.base_url,

@@ -21,6 +21,7 @@ __all__ = [
     "SSEDecoder",
     "encode_data",
     "encode_event",
+    "encode_events",
     "openai_error_tail",
 ]
 
@@ -40,6 +41,17 @@ def encode_data(data: dict[str, Any]) -> bytes:
 
 def encode_event(event: str, data: dict[str, Any]) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+async def encode_events(events: AsyncIterator[tuple[str, Any]]) -> AsyncIterator[bytes]:
+    """`(event name, data)` pairs as SSE bytes with `event:` lines; closes `events` when the consumer stops."""
+    try:
+        async for name, data in events:
+            yield encode_event(name, data)
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 def openai_error_tail(error: GatewayError) -> bytes:

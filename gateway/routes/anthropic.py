@@ -8,8 +8,6 @@ renders everything under /v1/messages that way); rate-limit headers come in Anth
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
@@ -21,9 +19,8 @@ from gateway.errors import GatewayError, InvalidRequestError
 from gateway.pipeline import estimate_prompt_tokens, open_call, request_id_of, serves_natively
 from gateway.router import Router
 from gateway.routes.openai import JSONBytesResponse, read_json_body, require_model
-from gateway.sse import EventStreamResponse, encode_event
+from gateway.sse import EventStreamResponse, encode_event, encode_events
 from gateway.translate.anthropic import (
-    Event,
     chat_chunks_to_events,
     chat_to_message,
     error_event,
@@ -67,7 +64,7 @@ async def create_message(request: Request) -> Response:
             input_tokens=estimate_prompt_tokens("messages", body),
             stop_sequences=body.get("stop_sequences"),
         )
-    encoded = with_keepalive(_encode(events), interval_s=PING_INTERVAL_S, keepalive=_PING)
+    encoded = with_keepalive(encode_events(events), interval_s=PING_INTERVAL_S, keepalive=_PING)
     return EventStreamResponse(encoded, headers=headers, error_tail=_error_tail, on_close=call.aclose)
 
 
@@ -104,16 +101,6 @@ def _check_body(body: Json) -> bool:
             '`messages` must be a non-empty list like [{"role": "user", "content": "Hi"}].', param="messages"
         )
     return bool(stream)
-
-
-async def _encode(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
-    try:
-        async for name, data in events:
-            yield encode_event(name, data)
-    finally:
-        aclose = getattr(events, "aclose", None)
-        if aclose is not None:
-            await aclose()
 
 
 def _error_tail(error: GatewayError) -> bytes:

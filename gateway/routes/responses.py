@@ -18,7 +18,7 @@ from backends.base import Json
 from gateway.errors import GatewayError, InvalidRequestError
 from gateway.pipeline import open_call, serves_natively
 from gateway.routes.openai import JSONBytesResponse, read_json_body, require_model
-from gateway.sse import EventStreamResponse, encode_event
+from gateway.sse import EventStreamResponse, encode_event, encode_events
 from gateway.translate.responses import (
     Event,
     chat_chunks_to_response_events,
@@ -55,7 +55,7 @@ async def create_response(request: Request) -> Response:
             response = chat_to_response(await call.json(), request=body)
             return JSONBytesResponse(orjson.dumps(response), headers=call.headers)
         events = chat_chunks_to_response_events(call.chunks(), request=body)
-    encoded = with_keepalive(_encode(events), interval_s=KEEPALIVE_INTERVAL_S, keepalive=_KEEPALIVE)
+    encoded = with_keepalive(encode_events(events), interval_s=KEEPALIVE_INTERVAL_S, keepalive=_KEEPALIVE)
     return EventStreamResponse(encoded, headers=call.headers, error_tail=_error_tail, on_close=call.aclose)
 
 
@@ -63,16 +63,6 @@ async def _named(events: AsyncIterator[Json]) -> AsyncIterator[Event]:
     try:
         async for event in events:
             yield str(event.get("type", "")), event
-    finally:
-        aclose = getattr(events, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-
-async def _encode(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
-    try:
-        async for name, data in events:
-            yield encode_event(name, data)
     finally:
         aclose = getattr(events, "aclose", None)
         if aclose is not None:
