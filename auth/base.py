@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import hmac
-from collections.abc import Mapping
+from collections.abc import Awaitable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -59,6 +59,11 @@ class Admission:
     lease_id: str | None = None
     headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* headers for the response
     is_settled: bool = False
+    # The settle may complete after the response is sent: no later admission can depend on it finishing first
+    # (the master key; or a key whose concurrency limit still had a free slot). Same-instance admissions queue
+    # behind it on the one Redis connection anyway. False: the client waits for the settle (the lease it frees
+    # may be the one its next request needs, possibly on another instance).
+    settles_late: bool = False
 
 
 @dataclass(slots=True)
@@ -77,8 +82,14 @@ class AccessControl(Protocol):
         `estimated_tokens` and a concurrency slot."""
         ...
 
+    def begin_settle(self, admission: Admission, *, prompt_tokens: int, completion_tokens: int) -> Awaitable[None]:
+        """Charge real usage (refunding the reservation's difference), record usage, release the lease. Idempotent.
+        The settle is queued before this returns (so every admission this instance makes afterwards sees it);
+        await the result for it to be done. Never fails for storage errors."""
+        ...
+
     async def settle(self, admission: Admission, *, prompt_tokens: int, completion_tokens: int) -> None:
-        """Charge real usage (refunding the reservation's difference), record usage, release the lease. Idempotent."""
+        """`begin_settle` and wait for it."""
         ...
 
     async def acquire_upstream(self, deployment: str, *, max_in_flight: int, timeout_s: float) -> UpstreamLease:
@@ -125,6 +136,17 @@ def wrong_prefix_error() -> AuthError:
     )
 
 
+class _Done:
+    """An awaitable that is already done (a settle with nothing to wait for)."""
+
+    def __await__(self) -> Generator[None, None, None]:
+        return
+        yield
+
+
+_DONE = _Done()
+
+
 class MasterKeyAccess:
     """Access control with only the master key and no limits (used when no Redis-backed store is wired)."""
 
@@ -140,10 +162,14 @@ class MasterKeyAccess:
         raise AuthError("Invalid API key: no such key. Check for typos or create one with `unigate keys create`.")
 
     async def admit(self, credential: str, *, model: str, estimated_tokens: int) -> Admission:
-        return Admission(principal=await self.authenticate(credential), model=model)
+        return Admission(principal=await self.authenticate(credential), model=model, settles_late=True)
+
+    def begin_settle(self, admission: Admission, *, prompt_tokens: int, completion_tokens: int) -> Awaitable[None]:
+        admission.is_settled = True
+        return _DONE
 
     async def settle(self, admission: Admission, *, prompt_tokens: int, completion_tokens: int) -> None:
-        admission.is_settled = True
+        await self.begin_settle(admission, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
 
     async def acquire_upstream(self, deployment: str, *, max_in_flight: int, timeout_s: float) -> UpstreamLease:
         return UpstreamLease(deployment=deployment, lease_id=None)

@@ -8,6 +8,8 @@ lets the hot path find a key with one lookup by hash.
 from __future__ import annotations
 
 import hashlib
+import itertools
+import os
 import re
 import secrets
 
@@ -44,6 +46,25 @@ def is_key_id(value: str) -> bool:
     return _KEY_ID_RE.match(value) is not None
 
 
+class _RequestIds:
+    """Unique ids without a syscall each: a random 64-bit prefix per process (re-drawn in a forked child) and a
+    counter. `secrets.token_hex` per request was ~2% of the gateway's CPU under load."""
+
+    def __init__(self) -> None:
+        self.reseed()
+        os.register_at_fork(after_in_child=self.reseed)
+
+    def reseed(self) -> None:
+        self.prefix = secrets.token_hex(8)
+        self.counter = itertools.count()
+
+    def next(self) -> str:
+        return f"{self.prefix}{next(self.counter):x}"
+
+
+_REQUEST_IDS = _RequestIds()
+
+
 def new_request_id() -> str:
-    """Identifies one admitted request across admit, lease and settle."""
-    return secrets.token_hex(12)
+    """Identifies one admitted request across admit, lease and settle (unique across processes and instances)."""
+    return _REQUEST_IDS.next()

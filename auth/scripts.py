@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import hashlib
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,13 +29,16 @@ __all__ = [
     "AdmitReply",
     "CommandPipe",
     "LuaScript",
+    "SettleItem",
     "StorageError",
     "acquire_upstream",
     "admit_request",
     "as_text",
     "register_all",
     "release_upstream",
-    "settle_request",
+    "settle_command",
+    "settle_requests",
+    "settled_flags",
     "storage_errors",
     "update_key",
 ]
@@ -89,6 +92,9 @@ def encode_command(args: tuple[EncodableT, ...]) -> bytes:
     return b"".join(parts)
 
 
+_Args = Callable[[], tuple[EncodableT, ...]]  # a queued command's arguments, built when its batch is written
+
+
 class CommandPipe:
     """Commands of the hot path over ONE dedicated connection, auto-pipelined: every command issued while a batch
     is on the wire is sent with the next batch in one write, and the replies are read back in order.
@@ -105,20 +111,25 @@ class CommandPipe:
         pool = redis.connection_pool
         self._connection: AbstractConnection = pool.connection_class(**pool.connection_kwargs)
         self._timeout_s: float | None = pool.connection_kwargs.get("socket_timeout")
-        self._queue: list[tuple[tuple[EncodableT, ...], asyncio.Future[Any]]] = []
+        self._queue: list[tuple[_Args, asyncio.Future[Any]]] = []
         self._wakeup: asyncio.Future[None] | None = None
         self._worker: asyncio.Task[None] | None = None
         self._is_closing = False
 
     async def execute(self, *args: EncodableT) -> Any:
+        return await self.submit(lambda: args)
+
+    def submit(self, build_args: Callable[[], tuple[EncodableT, ...]]) -> asyncio.Future[Any]:
+        """Queue a command now, in FIFO order with every other command, whose arguments are built only when its
+        batch is written: until then the caller may still add to it (the settles of one key share one call)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        self._queue.append((args, future))
+        self._queue.append((build_args, future))
         if self._worker is None or self._worker.done():
             self._worker = loop.create_task(self._run(), name="unigate-redis-pipe")
         elif self._wakeup is not None and not self._wakeup.done():
             self._wakeup.set_result(None)
-        return await future
+        return future
 
     async def evalsha(self, sha: str, num_keys: int, *keys_and_args: EncodableT) -> Any:
         return await self.execute("EVALSHA", sha, num_keys, *keys_and_args)
@@ -181,7 +192,7 @@ class CommandPipe:
                 if not isinstance(exc, Exception):
                     raise
 
-    async def _read_replies(self, batch: list[tuple[tuple[EncodableT, ...], asyncio.Future[Any]]]) -> None:
+    async def _read_replies(self, batch: list[tuple[_Args, asyncio.Future[Any]]]) -> None:
         # One deadline for the whole batch instead of redis-py's timeout context around every reply.
         async with asyncio.timeout(self._timeout_s):
             for _, future in batch:
@@ -194,13 +205,13 @@ class CommandPipe:
                     if not future.done():
                         future.set_result(reply)
 
-    async def _send(self, batch: list[tuple[tuple[EncodableT, ...], asyncio.Future[Any]]]) -> None:
+    async def _send(self, batch: list[tuple[_Args, asyncio.Future[Any]]]) -> None:
         connection = self._connection
         if not connection.is_connected:
             await connection.connect()  # type: ignore[no-untyped-call]
         writer = connection._writer  # one write for the batch, without redis-py's per-call timeout task
         assert writer is not None
-        writer.write(b"".join([encode_command(args) for args, _ in batch]))
+        writer.write(b"".join([encode_command(build_args()) for build_args, _ in batch]))
         if writer.transport.get_write_buffer_size() > _MAX_WRITE_BUFFER:
             async with asyncio.timeout(self._timeout_s):
                 await writer.drain()
@@ -225,7 +236,7 @@ class LuaScript:
         async with storage_errors():
             await redis.script_load(self.source)
 
-    async def __call__(self, redis: Redis | CommandPipe, keys: Sequence[str], args: Sequence[str | int | float]) -> Any:
+    async def __call__(self, redis: Redis | CommandPipe, keys: Sequence[str], args: Sequence[EncodableT]) -> Any:
         # The same translation as `storage_errors()`, inlined: this runs twice per request.
         try:
             try:
@@ -267,6 +278,7 @@ class AdmitReply:
     tpm_remaining: int
     tpm_reset_ms: int
     retry_after_ms: int
+    leases_remaining: int  # concurrency slots still free after this request; -1 = no concurrency limit
 
 
 async def admit_request(
@@ -303,43 +315,71 @@ async def admit_request(
         tpm_remaining=int(reply[7]),
         tpm_reset_ms=int(reply[8]),
         retry_after_ms=int(reply[9]),
+        leases_remaining=int(reply[10]),
     )
 
 
-async def settle_request(
-    redis: Redis | CommandPipe,
-    *,
-    key_id: str,
-    request_id: str,
-    reserved_tokens: int,
-    prompt_tokens: int,
-    completion_tokens: int,
-    model: str,
-    window_ms: int,
-    marker_ttl_ms: int,
-    usage_retention_s: int,
-) -> bool:
-    keys = (
+@dataclass(frozen=True, slots=True)
+class SettleItem:
+    """One finished request of a key: its reservation and what it really used."""
+
+    request_id: str
+    reserved_tokens: int
+    prompt_tokens: int
+    completion_tokens: int
+    model: str
+
+
+def _settle_keys_and_args(
+    key_id: str, items: Sequence[SettleItem], window_ms: int, marker_ttl_ms: int, usage_retention_s: int
+) -> tuple[list[str], list[EncodableT]]:
+    keys = [
         redis_names.key_record(key_id),
         redis_names.key_tpm_log(key_id),
         redis_names.key_tpm_sum(key_id),
         redis_names.key_leases(key_id),
         redis_names.key_usage_total(key_id),
         redis_names.key_usage_days(key_id),
-        redis_names.key_settled(key_id, request_id),
-    )
-    args = (
-        request_id,
-        max(reserved_tokens, 0),
-        max(prompt_tokens, 0),
-        max(completion_tokens, 0),
-        model,
-        redis_names.key_prefix(key_id),
-        window_ms,
-        marker_ttl_ms,
-        usage_retention_s,
-    )
-    return bool(await _SETTLE(redis, keys, args))
+    ]
+    args: list[EncodableT] = [redis_names.key_prefix(key_id), window_ms, marker_ttl_ms, usage_retention_s]
+    for item in items:
+        keys.append(redis_names.key_settled(key_id, item.request_id))
+        args += (
+            item.request_id,
+            max(item.reserved_tokens, 0),
+            max(item.prompt_tokens, 0),
+            max(item.completion_tokens, 0),
+            item.model,
+        )
+    return keys, args
+
+
+def settle_command(
+    *, key_id: str, items: Sequence[SettleItem], window_ms: int, marker_ttl_ms: int, usage_retention_s: int
+) -> tuple[EncodableT, ...]:
+    """The EVALSHA that settles a batch of one key's requests (for `CommandPipe.submit`); its reply goes to
+    `settled_flags`. A NOSCRIPT reply means: call `settle_requests` with the same items (it registers the script)."""
+    keys, args = _settle_keys_and_args(key_id, items, window_ms, marker_ttl_ms, usage_retention_s)
+    return ("EVALSHA", _SETTLE.sha, len(keys), *keys, *args)
+
+
+def settled_flags(reply: Any) -> list[bool]:
+    """Per request of a settle batch: whether this call settled it (False: it had been settled before)."""
+    return [bool(int(flag)) for flag in reply]
+
+
+async def settle_requests(
+    redis: Redis | CommandPipe,
+    *,
+    key_id: str,
+    items: Sequence[SettleItem],
+    window_ms: int,
+    marker_ttl_ms: int,
+    usage_retention_s: int,
+) -> list[bool]:
+    """Settle a batch of one key's requests in one script call (registering the script when Redis lost it)."""
+    keys, args = _settle_keys_and_args(key_id, items, window_ms, marker_ttl_ms, usage_retention_s)
+    return settled_flags(await _SETTLE(redis, keys, args))
 
 
 def _upstream_keys(deployment: str) -> tuple[str, str, str]:

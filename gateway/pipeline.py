@@ -10,9 +10,10 @@ Failures before the first byte (auth, 404, limits, every retry and fallback fail
 once, in every outcome, by `json()` or by `chunks()`'s `finally` (also when the client disconnects); call
 `aclose()` if you drop a streaming call without iterating it.
 
-`call.settle_after_response()` (master key only, where settling cannot change any later admission) leaves the
-settle to `aclose()`, which the route then MUST run once the response is sent: the client does not wait for
-that Redis round trip.
+`call.settle_after_response()` lets the client have the response before the settle's Redis round trip is back
+(when `Admission.settles_late`: no later admission can depend on it finishing first). The settle is still
+queued before the last byte is handed over; the route then MUST run `aclose()` once the response is sent, which
+waits for it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any
 
 from starlette.requests import Request
@@ -124,7 +125,8 @@ class Call:
         self._deployment: Deployment | None = None
         self._lease: UpstreamLease | None = None
         self._is_closed = False
-        self._is_settled = False
+        self._is_settle_queued = False  # exactly once per call
+        self._settling: Awaitable[None] | None = None  # the queued settle, to wait for
         self._settles_late = False
 
     @property
@@ -144,10 +146,11 @@ class Call:
         return data
 
     def settle_after_response(self) -> bool:
-        """Leave the settle to `aclose()`, run by the route after the response was sent — only for the master
-        key, whose usage record no admission depends on (a key's settle frees its concurrency lease and tokens,
-        so the client's next request must see it done). Returns whether the settle was deferred."""
-        self._settles_late = self.admission.principal.is_master
+        """Queue the settle before the response ends but wait for it in `aclose()`, which the route runs after
+        the response was sent — when the admission allows it (`Admission.settles_late`: the master key, or a key
+        whose concurrency limit had a slot to spare; a key's next request on this instance queues behind the
+        settle on the same Redis connection anyway). Returns whether the wait was deferred."""
+        self._settles_late = self.admission.settles_late
         return self._settles_late
 
     async def chunks(self) -> AsyncGenerator[Json, None]:
@@ -179,13 +182,19 @@ class Call:
         try:
             await self._release_all()
         finally:
-            if not self._is_settled:
-                self._is_settled = True
-                await self._settle()
+            settling = self._begin_settle()
+            if settling is not None:
+                try:
+                    await settling
+                except Exception:
+                    logger.exception("could not settle usage for request %s", self.request_id)
 
     async def _finish(self) -> None:
         if self._settles_late:
-            await self._release_all()
+            try:
+                await self._release_all()
+            finally:
+                self._begin_settle()  # queued now, before the response's last byte; `aclose()` waits for it
         else:
             await self.aclose()
 
@@ -303,7 +312,12 @@ class Call:
                 self._num_completion_chars += len(text)
         return chunk
 
-    async def _settle(self) -> None:
+    def _begin_settle(self) -> Awaitable[None] | None:
+        """Queue the settle (the first time only) and return it; None when there is nothing (more) to wait for."""
+        if self._is_settle_queued:
+            settling, self._settling = self._settling, None
+            return settling
+        self._is_settle_queued = True
         usage = self._usage or {}
         # OpenAI names, else Anthropic / Responses names.
         num_prompt = _int(usage.get("prompt_tokens", usage.get("input_tokens")))
@@ -315,9 +329,12 @@ class Call:
         if num_prompt or num_completion:
             self.metrics.count_tokens(self.model, num_prompt, num_completion)
         try:
-            await self.access.settle(self.admission, prompt_tokens=num_prompt, completion_tokens=num_completion)
+            self._settling = self.access.begin_settle(
+                self.admission, prompt_tokens=num_prompt, completion_tokens=num_completion
+            )
         except Exception:
             logger.exception("could not settle usage for request %s", self.request_id)
+        return self._settling
 
 
 def request_id_of(request: Request) -> str:

@@ -133,3 +133,27 @@ async def test_one_upstream_cap_across_both_instances(
     assert busy.json()["error"]["code"] == "upstream_at_capacity"
     assert "retry-after" in busy.headers
     assert len(fake_upstream.requests) == 2
+
+
+@pytest.mark.parametrize("max_concurrent", [1, 2])
+async def test_a_sequential_client_across_both_instances_never_trips_its_concurrency_limit(
+    gateways: tuple[ThreadedServer, ThreadedServer], max_concurrent: int
+) -> None:
+    """Settles may finish after the response (only while a concurrency slot is to spare): a client that waits
+    for each response before the next request, alternating instances, must never see its own lease in the way."""
+    a, b = gateways
+    key = await create_key(a.url, max_concurrent=max_concurrent, tpm=100_000)
+    user = {"authorization": f"Bearer {key['key']}"}
+    async with httpx.AsyncClient() as client:
+        for i in range(12):
+            body = {**chat(), "stream": i % 3 == 0}
+            response = await client.post(f"{(a if i % 2 else b).url}/v1/chat/completions", json=body, headers=user)
+            assert response.status_code == 200, response.text[:300]
+        deadline = time.monotonic() + 2.0  # the last settle may land just after its response
+        while True:
+            usage = (await client.get(f"{a.url}/admin/keys/{key['id']}/usage", headers=ADMIN)).json()
+            num_requests = sum(row["requests"] for row in usage["data"])
+            if num_requests == 12 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+    assert num_requests == 12, usage

@@ -14,11 +14,12 @@
 -- ARGV[7]  the caller's cached record version ("" when it has none)
 --
 -- Returns {status, version, record, rpm_limit, rpm_remaining, rpm_reset_ms, tpm_limit, tpm_remaining,
---          tpm_reset_ms, retry_after_ms}
+--          tpm_reset_ms, retry_after_ms, leases_remaining}
 --   status: "ok" | "invalid_api_key" | "key_revoked" | "key_expired" | "model_not_allowed" | "budget_exceeded"
 --           | "concurrency_limit_exceeded" | "rate_limit_exceeded" | "tokens_limit_exceeded"
 --   record: the record as a flat HGETALL list when ARGV[7] differs from its version, else {} (cache refresh)
---   limits are -1 when the key has none; remaining counts are after this request; all times in ms.
+--   limits are -1 when the key has none; remaining counts are after this request (leases_remaining: concurrency
+--   slots still free, -1 without a concurrency limit); all times in ms.
 --
 -- Algorithm: sliding-window log for RPM and TPM. It is exact: no rolling window of ARGV[6] ms ever holds more
 -- than the limit, so there is no 2x burst at a fixed-window edge. GCRA would also be exact for the rate but
@@ -33,7 +34,7 @@ local lease_ttl, window, cached_version = tonumber(ARGV[5]), tonumber(ARGV[6]), 
 local fields = redis.call('HMGET', record_key, 'key_hash', 'revoked', 'expires_at', 'models', 'rpm', 'tpm',
   'max_concurrent', 'token_budget', 'budget_period', 'period_key', 'period_spent', 'tokens_spent', 'version')
 if not fields[1] or fields[1] ~= key_hash then
-  return {'invalid_api_key', 0, {}, -1, -1, 0, -1, -1, 0, 0}
+  return {'invalid_api_key', 0, {}, -1, -1, 0, -1, -1, 0, 0, -1}
 end
 
 local function limit_of(value)
@@ -52,7 +53,7 @@ local rpm, tpm, max_concurrent = limit_of(fields[5]), limit_of(fields[6]), limit
 local budget = limit_of(fields[8])
 
 local function reject(status, retry_after)
-  return {status, version, record, rpm, -1, 0, tpm, -1, 0, retry_after}
+  return {status, version, record, rpm, -1, 0, tpm, -1, 0, retry_after, -1}
 end
 
 if fields[2] == '1' then return reject('key_revoked', 0) end
@@ -86,11 +87,17 @@ if budget >= 0 then
   if spent >= budget then return reject('budget_exceeded', period_left) end
 end
 
--- Concurrency: expired leases belong to crashed or stuck requests; drop them before counting.
+-- Concurrency: expired leases belong to crashed or stuck requests. They only matter at the limit, so they are
+-- dropped (and the leases counted again) only then: one call instead of two on the usual path.
+local num_leases = 0
 if max_concurrent >= 0 then
-  redis.call('ZREMRANGEBYSCORE', leases_key, '-inf', now)
-  if redis.call('ZCARD', leases_key) >= max_concurrent then
-    return reject('concurrency_limit_exceeded', 1000)
+  num_leases = redis.call('ZCARD', leases_key)
+  if num_leases >= max_concurrent then
+    redis.call('ZREMRANGEBYSCORE', leases_key, '-inf', now)
+    num_leases = redis.call('ZCARD', leases_key)
+    if num_leases >= max_concurrent then
+      return reject('concurrency_limit_exceeded', 1000)
+    end
   end
 end
 
@@ -166,4 +173,6 @@ end
 local rpm_remaining, tpm_remaining = -1, -1
 if rpm >= 0 then rpm_remaining = rpm - num_requests end
 if tpm >= 0 then tpm_remaining = math.max(tpm - num_tokens, 0) end
-return {'ok', version, record, rpm, rpm_remaining, rpm_reset, tpm, tpm_remaining, tpm_reset, 0}
+local leases_remaining = -1
+if max_concurrent >= 0 then leases_remaining = max_concurrent - num_leases - 1 end
+return {'ok', version, record, rpm, rpm_remaining, rpm_reset, tpm, tpm_remaining, tpm_reset, 0, leases_remaining}

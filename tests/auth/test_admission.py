@@ -224,3 +224,57 @@ async def test_headers_and_reset_format(make_access: Any, new_key: Any) -> None:
     _, unlimited = await new_key()
     assert (await access.admit(unlimited, model="m", estimated_tokens=5)).headers == {}
     assert [format_reset(v) for v in (20, 1500, 60_000, 360_250)] == ["20ms", "1.5s", "1m0s", "6m0.25s"]
+
+
+async def test_settles_queued_together_share_one_script_call_and_add_up(
+    make_access: Any, new_key: Any, store: KeyStore, redis: Any
+) -> None:
+    access = await make_access()
+    key_id, secret = await new_key(tpm=100_000, max_concurrent=100)
+    admissions = await asyncio.gather(
+        *(access.admit(secret, model=f"m{i % 2}", estimated_tokens=100) for i in range(40))
+    )
+    assert all(a.headers for a in admissions)
+    await redis.execute_command("CONFIG", "RESETSTAT")
+    await asyncio.gather(
+        *(access.settle(a, prompt_tokens=i, completion_tokens=2 * i) for i, a in enumerate(admissions))
+    )
+    calls = (await redis.info("commandstats"))["cmdstat_evalsha"]["calls"]
+    assert calls < 40  # batched (one call for all 40 when they are queued in one go)
+
+    record = await store.get(key_id)
+    used = sum(3 * i for i in range(40))
+    assert (record.num_requests, record.tokens_spent) == (40, used)
+    rows = {row.model: row for row in await store.usage(key_id)}
+    assert rows["m0"].num_requests == rows["m1"].num_requests == 20
+    assert rows["m0"].prompt_tokens == sum(range(0, 40, 2)) and rows["m1"].prompt_tokens == sum(range(1, 40, 2))
+    assert rows["m1"].completion_tokens == 2 * sum(range(1, 40, 2))
+    # Every lease is free and the token log holds the real usage, not the reservations.
+    nxt = await access.admit(secret, model="m0", estimated_tokens=0)
+    assert nxt.headers["x-ratelimit-remaining-tokens"] == str(100_000 - used)
+    assert await redis.zcard(f"ug:{{{key_id}}}:leases") == 1
+
+
+async def test_only_the_last_free_concurrency_slot_makes_the_client_wait_for_the_settle(
+    make_access: Any, new_key: Any
+) -> None:
+    access = await make_access()
+    _, unlimited = await new_key()
+    _, two_slots = await new_key(max_concurrent=2)
+    assert (await access.admit(MASTER, model="m", estimated_tokens=1)).settles_late
+    assert (await access.admit(unlimited, model="m", estimated_tokens=1)).settles_late
+    first = await access.admit(two_slots, model="m", estimated_tokens=1)
+    second = await access.admit(two_slots, model="m", estimated_tokens=1)
+    assert first.settles_late and not second.settles_late
+
+
+async def test_an_admission_after_a_queued_settle_sees_it_done(make_access: Any, new_key: Any) -> None:
+    """The settle is not awaited, only queued: the next admit on this instance still finds the lease free."""
+    access = await make_access()
+    _, secret = await new_key(max_concurrent=1, tpm=1000)
+    for _ in range(20):
+        admission = await access.admit(secret, model="m", estimated_tokens=900)
+        settling = access.begin_settle(admission, prompt_tokens=1, completion_tokens=1)
+        nxt = await access.admit(secret, model="m", estimated_tokens=900)  # lease and 899 tokens freed first
+        access.begin_settle(nxt, prompt_tokens=0, completion_tokens=0)
+        await settling

@@ -1,12 +1,13 @@
 from __future__ import annotations
 
+import os
 import stat
 from pathlib import Path
 
 import pytest
 
 from auth.base import model_allowed
-from auth.keys import display_prefix, generate_key, hash_key, is_key_id, new_key_id
+from auth.keys import display_prefix, generate_key, hash_key, is_key_id, new_key_id, new_request_id
 from auth.master_key import master_key_path, read_master_key, resolve_master_key
 from gateway.settings import Settings
 
@@ -59,3 +60,18 @@ def test_configured_master_key_wins_and_writes_nothing(tmp_path: Path) -> None:
     settings = _settings(tmp_path, "sk-ug-configured")
     assert resolve_master_key(settings, announce=lambda *_: pytest.fail("printed")) == "sk-ug-configured"
     assert not master_key_path(tmp_path).exists()
+
+
+def test_request_ids_are_unique_within_a_process_and_across_a_fork() -> None:
+    ids = {new_request_id() for _ in range(10_000)}
+    assert len(ids) == 10_000
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child draws a new prefix, so its ids cannot repeat the parent's
+        os.write(write_end, new_request_id().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child_id = os.read(read_end, 100).decode()
+    parent_id = new_request_id()
+    assert child_id not in ids and child_id != parent_id
+    assert child_id[:16] != parent_id[:16]

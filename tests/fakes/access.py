@@ -3,6 +3,7 @@ every admit / settle / acquire_upstream / release_upstream call (to prove usage 
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from auth.base import Admission, MasterKeyAccess, Principal, UpstreamLease
@@ -53,11 +54,11 @@ class RecordingAccess(MasterKeyAccess):
             headers={"x-ratelimit-remaining-requests": "99"},
         )
 
-    async def settle(self, admission: Admission, *, prompt_tokens: int, completion_tokens: int) -> None:
+    def begin_settle(self, admission: Admission, *, prompt_tokens: int, completion_tokens: int) -> Awaitable[None]:
         if admission.is_settled:
             raise AuthError("settled twice")  # the pipeline must settle exactly once
-        admission.is_settled = True
         self.settled.append(Settled(admission.model, prompt_tokens, completion_tokens))
+        return super().begin_settle(admission, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
 
     async def acquire_upstream(self, deployment: str, *, max_in_flight: int, timeout_s: float) -> UpstreamLease:
         self.acquired.append(deployment)
