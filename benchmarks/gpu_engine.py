@@ -89,14 +89,29 @@ class Plan:
     output_len: int
     max_num_seqs: int
     hf_batch: int
+    enforce_eager: bool = False
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
     if args.cpu_smoke:
-        return Plan("cpu", "float32", 2, 80, 4, 2, 64, 16, ("tiny",), 4, 16, 8, 4, 4)
+        return Plan("cpu", "float32", 2, 80, 4, 2, 64, 16, ("tiny",), 4, 16, 8, 4, 4, args.enforce_eager)
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
     return Plan(
-        "cuda", "bfloat16", 64, 4096, 32, 8, 128, 16, models, args.num_requests, 512, 256, args.max_num_seqs, 64
+        "cuda",
+        "bfloat16",
+        64,
+        4096,
+        32,
+        8,
+        128,
+        16,
+        models,
+        args.num_requests,
+        512,
+        256,
+        args.max_num_seqs,
+        64,
+        args.enforce_eager,
     )
 
 
@@ -417,6 +432,7 @@ def bench_engine(plan: Plan, copy_bw: float, skip_hf: bool) -> None:
         f"\n## Engine throughput: {plan.num_requests} requests x {plan.input_len} prompt / {plan.output_len} output "
         f"tokens, ignore_eos, greedy, {plan.dtype_name}, max_num_seqs {plan.max_num_seqs}\n"
     )
+    memory_lines: list[str] = []
     print("| model | runner      | output tok/s | TTFT p50/p95 (ms) | TPOT p50/p95 (ms) | vs floor | seconds |")
     print("|-------|-------------|--------------|-------------------|-------------------|----------|---------|")
     for shape_name in plan.models:
@@ -434,12 +450,21 @@ def bench_engine(plan: Plan, copy_bw: float, skip_hf: bool) -> None:
                 attention_backend="triton",
                 kv_cache_memory=None if plan.device == "cuda" else 64 << 20,
                 enable_prefix_caching=False,  # random prompts share nothing; keep the comparison plain
+                enforce_eager=plan.enforce_eager,
             )
             engine = LLMEngine(ModelConfig.from_hf_config(config), engine_config, state_dict)
         except Exception as exc:
             print(f"\nengine section skipped for {shape_name}: {type(exc).__name__}: {exc}")
             continue
         del state_dict
+        runner = engine.runner
+        peak = runner.activations_peak_bytes
+        memory_lines.append(
+            f"{shape_name}: weights {runner.weights_bytes / 2**30:.2f} GiB, activations peak "
+            + ("not profiled" if peak is None else f"{peak / 2**30:.2f} GiB")
+            + f", KV cache {engine.capacity.num_bytes / 2**30:.2f} GiB ({engine.capacity.num_tokens:,} tokens), "
+            + ("eager" if runner.graphs is None else f"decode CUDA graphs for batch sizes {runner.graphs.sizes}")
+        )
         generator = torch.Generator().manual_seed(1)
         vocab = config["vocab_size"]
         prompts = torch.randint(3, vocab, (plan.num_requests, plan.input_len), generator=generator).tolist()
@@ -459,6 +484,8 @@ def bench_engine(plan: Plan, copy_bw: float, skip_hf: bool) -> None:
         if plan.device == "cuda":
             torch.cuda.empty_cache()
     print("\nvs floor: output tok/s as a fraction of the decode floor at max_num_seqs (weights + KV / copy bw).")
+    for line in memory_lines:
+        print(line)
 
 
 def print_row(shape_name: str, runner: str, result: RunResult, floor: float) -> None:
@@ -477,6 +504,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs (to measure their gain)")
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers generate comparison")
     return parser.parse_args(argv)
 

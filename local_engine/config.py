@@ -155,7 +155,7 @@ class EngineConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    enforce_eager: bool = False  # CUDA graphs are not implemented yet: the engine always runs eagerly
+    enforce_eager: bool = False  # True: no decode CUDA graphs (they need a GPU and the Triton backend anyway)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

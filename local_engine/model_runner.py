@@ -9,13 +9,14 @@ import time
 import torch
 
 from local_engine.config import EngineConfig, KVCapacity, ModelConfig
+from local_engine.cuda_graphs import DecodeGraphs, capture_sizes
 from local_engine.layers.attention import Attention, AttentionMetadata
 from local_engine.layers.backend import select_ops
 from local_engine.layers.rotary import build_cos_sin_cache
 from local_engine.models.llama import LlamaForCausalLM
 from local_engine.scheduler import ScheduledBatch
 
-__all__ = ["ModelRunner"]
+__all__ = ["ModelRunner", "kv_cache_budget"]
 
 logger = logging.getLogger("unigate.engine")
 
@@ -28,6 +29,16 @@ def _is_triton_available() -> bool:
     except ImportError:
         return False
     return is_triton_available()
+
+
+def kv_cache_budget(
+    *, total: int, free: int, reserved: int, allocated: int, activations_peak: int, utilization: float
+) -> int:
+    """KV cache bytes on a GPU: `utilization` of its memory, minus what others (and the CUDA context) hold
+    (`total - free - reserved`), what this process keeps allocated (weights), and the activation peak of a step.
+    Memory torch reserved but does not use counts as available."""
+    others = max(total - free - reserved, 0)
+    return int(total * utilization) - others - allocated - activations_peak
 
 
 class ModelRunner:
@@ -46,17 +57,21 @@ class ModelRunner:
         ops = select_ops(self.attention_backend)
         self.model = self._build_model(ops, state_dict)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.activations_peak_bytes: int | None = None  # measured by the profiling pass (GPU only)
         self.capacity = self._plan_kv_cache()
         self.kv_cache = self._allocate_kv_cache(self.capacity.num_blocks)
+        self.graphs = self._build_graphs()
         logger.info(
-            "engine ready in %.1fs: %s %s on %s, attention=%s, weights %.0f MiB, KV cache %.0f MiB "
-            "(%d blocks x %d tokens = %d tokens)",
+            "engine ready in %.1fs: %s %s on %s, attention=%s, cuda graphs %s; memory: weights %.0f MiB, "
+            "activations peak %s, KV cache %.0f MiB (%d blocks x %d tokens = %d tokens)",
             time.perf_counter() - started,
             model_config.model_type,
             self.dtype_name,
             self.device,
             self.attention_backend,
+            "off" if self.graphs is None else f"for batch sizes up to {self.graphs.max_size}",
             self.weights_bytes / 2**20,
+            "not profiled" if self.activations_peak_bytes is None else f"{self.activations_peak_bytes / 2**20:.0f} MiB",
             self.capacity.num_bytes / 2**20,
             self.capacity.num_blocks,
             self.block_size,
@@ -81,33 +96,100 @@ class ModelRunner:
     # -- KV cache -----------------------------------------------------------------------------------------------
 
     def _plan_kv_cache(self) -> KVCapacity:
-        """Number of blocks from the memory budget: `kv_cache_memory` bytes, else a fraction of free GPU memory
-        (after weights), else the CPU default."""
+        """Number of blocks from the memory budget: `kv_cache_memory` bytes; else, on a GPU, what
+        `gpu_memory_utilization` of it leaves after weights, other users and the activation peak of a profiling
+        forward pass at `max_num_batched_tokens`; else the CPU default."""
         bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype_name)
         budget = self.engine_config.kv_cache_memory
         if budget is None and self.device.type == "cuda":
+            self.activations_peak_bytes = self._profile_activations_peak()
             free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            # Leave activation headroom: the budget is what the utilisation target allows beyond current use,
-            # minus room for one step's activations at max_num_batched_tokens.
-            activations = self.engine_config.max_num_batched_tokens * self.model_config.intermediate_size * 4 * 8
-            budget = int(total * self.engine_config.gpu_memory_utilization) - used - activations
+            budget = kv_cache_budget(
+                total=total,
+                free=free,
+                reserved=torch.cuda.memory_reserved(self.device),
+                allocated=torch.cuda.memory_allocated(self.device),
+                activations_peak=self.activations_peak_bytes,
+                utilization=self.engine_config.gpu_memory_utilization,
+            )
         elif budget is None:
             budget = self.engine_config.cpu_kv_cache_memory
         num_blocks = budget // (bytes_per_token * self.block_size)
         if num_blocks < 1:
             raise ValueError(
                 f"the KV cache budget ({budget} bytes) holds no block of {self.block_size} tokens "
-                f"({bytes_per_token} bytes per token): raise kv_cache_memory or gpu_memory_utilization"
+                f"({bytes_per_token} bytes per token): raise kv_cache_memory or gpu_memory_utilization, or lower "
+                "max_num_batched_tokens (the activation peak grows with it)"
             )
         return KVCapacity(num_blocks=num_blocks, block_size=self.block_size, bytes_per_token=bytes_per_token)
+
+    def _profile_activations_peak(self) -> int:
+        """Bytes one forward pass at the full batched-token budget allocates on top of the weights (GPU)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.dummy_forward()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()
+        num_blocks = -(-self._dummy_num_tokens // self.block_size)
+        scratch_bytes = num_blocks * self.block_size * self.model_config.kv_bytes_per_token(self.dtype_name)
+        return max(int(peak) - scratch_bytes, 0)
+
+    @property
+    def _dummy_num_tokens(self) -> int:
+        return min(self.engine_config.max_num_batched_tokens, self.max_model_len)
+
+    @torch.inference_mode()
+    def dummy_forward(self) -> torch.Tensor:
+        """One prefill of `max_num_batched_tokens` tokens (capped at the model length) into a scratch KV cache of
+        just those blocks, plus the logits of `max_num_seqs` rows: the largest step the scheduler can build.
+        Returns the logits; the scratch cache is dropped and whatever cache was attached before is again."""
+        num_tokens = self._dummy_num_tokens
+        num_blocks = -(-num_tokens // self.block_size)
+        attached = [(attn.k_cache, attn.v_cache) for attn in self._attention_layers()]
+        self._allocate_kv_cache(num_blocks)
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
+            num_decode_tokens=0,
+            decode_block_tables=None,
+            decode_context_lens=None,
+            prefill_block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
+            prefill_cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+            prefill_context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+            prefill_max_seqlen_q=num_tokens,
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
+        hidden = self.model(input_ids, positions, meta)
+        num_rows = min(self.engine_config.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:num_rows]).float()
+        for attn, (k_cache, v_cache) in zip(self._attention_layers(), attached, strict=True):
+            attn.k_cache, attn.v_cache = k_cache, v_cache  # drop the scratch cache, re-attach what was there
+        return logits
+
+    def _build_graphs(self) -> DecodeGraphs | None:
+        """Decode CUDA graphs on a GPU with the Triton backend, unless `enforce_eager`."""
+        if self.device.type != "cuda" or self.attention_backend != "triton" or self.engine_config.enforce_eager:
+            return None
+        return DecodeGraphs(
+            self.model,
+            sizes=capture_sizes(self.engine_config.max_num_seqs),
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            device=self.device,
+            capture=True,
+        )
+
+    def _attention_layers(self) -> list[Attention]:
+        return [m for m in self.model.modules() if isinstance(m, Attention)]  # in layer order
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         c = self.model_config
         shape = (2, c.num_hidden_layers, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
         kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]  # in layer order
-        for i, attn in enumerate(layers):
+        for i, attn in enumerate(self._attention_layers()):
             attn.k_cache = kv_cache[0, i]  # [num_blocks, block_size, KVH, D]
             attn.v_cache = kv_cache[1, i]
         return kv_cache
@@ -185,5 +267,8 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Forward the batch; float32 logits [N, vocab] for the N sequences that sample, in batch order."""
         input_ids, positions, meta, logits_indices = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
+        if self.graphs is not None and self.graphs.can_run(meta, input_ids.shape[0]):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[logits_indices]).float()

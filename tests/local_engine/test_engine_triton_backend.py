@@ -18,6 +18,7 @@ import sys, torch
 sys.path.insert(0, {tests_dir!r})
 from conftest import tiny_model
 from local_engine.sampling_params import SamplingParams
+from local_engine.cuda_graphs import DecodeGraphs
 
 params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 generator = torch.Generator().manual_seed(0)
@@ -29,6 +30,13 @@ for name in ("llama3", "qwen2", "qwen3"):
     assert engine.runner.attention_backend == "triton"
     got = [c[0].token_ids for c in engine.generate(prompts, params)]
     assert got == expected, (name, got, expected)
+    # Decode steps as a CUDA graph would run them (static buffers, padded to 4 rows), eagerly in the interpreter.
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(
+        runner.model, sizes=[4], max_blocks_per_seq=-(-runner.max_model_len // 16), device=runner.device, capture=False
+    )
+    got = [c[0].token_ids for c in engine.generate(prompts, params)]
+    assert got == expected, (name, "padded", got, expected)
 print("ok")
 """
 
