@@ -106,3 +106,13 @@ def test_captured_graphs_give_the_eager_tokens_on_gpu(family: TinyModel) -> None
     assert eager.runner.graphs is None and graphs.runner.graphs is not None and graphs.runner.graphs.is_captured
     expected = [c[0].token_ids for c in eager.generate(prompts, GREEDY)]
     assert [c[0].token_ids for c in graphs.generate(prompts, GREEDY)] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_profiling_pass_sizes_the_kv_cache_within_the_utilization_on_gpu(llama: TinyModel) -> None:
+    engine = llama.engine(device="cuda", kv_cache_memory=None, gpu_memory_utilization=0.05, enforce_eager=True)
+    runner = engine.runner
+    _, total = torch.cuda.mem_get_info()
+    assert runner.activations_peak_bytes is not None and runner.activations_peak_bytes > 0
+    assert 0 < engine.capacity.num_bytes <= 0.05 * total
