@@ -34,6 +34,7 @@ class EngineSettings(BaseModel):
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # disable CUDA graphs
+    pack_cpu_weights: bool = True  # CPU: oneDNN GEMMs on pre-packed weights (False: plain torch.nn.Linear)
 
 
 class LimitSettings(BaseModel):

@@ -156,6 +156,7 @@ class EngineConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     enforce_eager: bool = False  # True: no decode CUDA graphs (they need a GPU and the Triton backend anyway)
+    pack_cpu_weights: bool = True  # CPU: projections through oneDNN on pre-packed weights (layers/linear.py)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -185,6 +186,7 @@ class EngineConfig:
             device=settings.device,
             attention_backend=settings.attention_backend,
             enforce_eager=settings.enforce_eager,
+            pack_cpu_weights=settings.pack_cpu_weights,
         )
 
     def resolved_device(self, is_cuda_available: bool) -> str:

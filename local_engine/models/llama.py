@@ -144,11 +144,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, self.cos_sin_cache, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab]. On CPU with several rows the vocabulary is computed in slices: one GEMM
-        over the whole (cache-busting) embedding matrix runs at a fraction of the speed of cache-sized ones."""
-        weight = self.lm_head.weight
-        if hidden.device.type != "cpu" or hidden.shape[0] == 1:
+        """[N, hidden] -> [N, vocab]. With a plain `nn.Linear` on CPU and several rows the vocabulary is computed
+        in slices: one MKL GEMM over the whole (cache-busting) embedding matrix runs at a fraction of the speed of
+        cache-sized ones. (A packed lm_head — `layers/linear.py` — is faster still, in one call.)"""
+        if not isinstance(self.lm_head, nn.Linear) or hidden.device.type != "cpu" or hidden.shape[0] == 1:
             return self.lm_head(hidden)
+        weight = self.lm_head.weight
         logits_t = torch.empty(weight.shape[0], hidden.shape[0], dtype=hidden.dtype)  # [vocab, N]
         hidden_t = hidden.t().contiguous()  # [hidden, N]
         for start in range(0, weight.shape[0], LOGITS_SLICE_ROWS):

@@ -1,0 +1,59 @@
+"""CPU projections on oneDNN-packed weights (`local_engine/layers/linear.py`) against plain `nn.Linear`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from local_engine.layers.linear import PackedLinear, is_packing_available, pack_linears
+from local_engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not is_packing_available(), reason="this torch build has no oneDNN")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 96), (7, 96), (3, 5, 96)])
+def test_packed_linear_matches_linear_in_float32(bias: bool, shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160, bias=bias)
+    x = torch.randn(*shape)
+    expected = linear(x)
+    packed = PackedLinear(linear)
+    got = packed(x)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    strided = torch.randn(4, 192)[:, :96]  # a slice of a fused projection, as in the model
+    torch.testing.assert_close(packed(strided), linear(strided), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_linear_in_bfloat16() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32).to(torch.bfloat16)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    got = PackedLinear(linear)(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), linear(x).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_pack_linears_swaps_every_projection_and_keeps_tied_embeddings(family: Any) -> None:
+    engine = family.engine()
+    model = engine.runner.model
+    assert engine.runner.num_packed_linears == 4 * family.hf_config["num_hidden_layers"] + 1
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert isinstance(model.lm_head, PackedLinear)
+    assert model.model.embed_tokens.weight.shape[0] == family.hf_config["vocab_size"]  # still a real tensor
+    assert pack_linears(model) == 0  # nothing left to pack
+
+
+def test_engine_gives_the_same_tokens_with_and_without_packing(family: Any) -> None:
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 160, (n,), generator=generator).tolist() for n in (4, 33, 70)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    plain = family.engine(pack_cpu_weights=False)
+    assert plain.runner.num_packed_linears == 0
+    assert any(isinstance(m, nn.Linear) for m in plain.runner.model.modules())
+    expected = [c[0].token_ids for c in plain.generate(prompts, params)]
+    assert [c[0].token_ids for c in family.engine().generate(prompts, params)] == expected
