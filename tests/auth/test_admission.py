@@ -278,3 +278,16 @@ async def test_an_admission_after_a_queued_settle_sees_it_done(make_access: Any,
         nxt = await access.admit(secret, model="m", estimated_tokens=900)  # lease and 899 tokens freed first
         access.begin_settle(nxt, prompt_tokens=0, completion_tokens=0)
         await settling
+
+
+async def test_a_batched_settle_after_redis_lost_its_scripts_registers_them_again(
+    make_access: Any, new_key: Any, store: KeyStore, redis: Any
+) -> None:
+    access = await make_access()
+    key_id, secret = await new_key(max_concurrent=5)
+    admissions = [await access.admit(secret, model="m", estimated_tokens=10) for _ in range(3)]
+    await redis.script_flush()  # as after a Redis restart without persistence of scripts
+    await asyncio.gather(*(access.settle(a, prompt_tokens=2, completion_tokens=3) for a in admissions))
+    record = await store.get(key_id)
+    assert (record.num_requests, record.tokens_spent) == (3, 15)
+    assert await redis.zcard(f"ug:{{{key_id}}}:leases") == 0
