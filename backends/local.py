@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from backends.base import Endpoint, Json
+from backends.tool_calls import ToolCallStream, parse_tool_calls, tool_names
 from gateway.errors import EngineError, GatewayError, InvalidRequestError
 
 if TYPE_CHECKING:
@@ -153,7 +154,9 @@ class LocalBackend:
                             ],
                         )
                     if out.text or out.finish_reason or out.logprobs:
-                        yield request.chunk(request_id, [request.delta_choice(self, index, out)])
+                        choice = request.delta_choice(self, index, out)
+                        if choice.get("delta", True) or choice["finish_reason"] or choice["logprobs"]:
+                            yield request.chunk(request_id, [choice])  # (text held back for a tool call: none)
             if request.include_usage:
                 yield request.chunk(request_id, [], usage=usage.as_dict())
         except ValueError as exc:
@@ -258,6 +261,8 @@ class _Request:
         self.include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
         self.echo = bool(body.get("echo")) and not is_chat
         self.prompt_texts = prompt_texts or []
+        self.tool_names = tool_names(body) if is_chat else None  # None: leave the text alone
+        self._tool_streams: dict[int, ToolCallStream] = {}
 
     @property
     def object_prefix(self) -> str:
@@ -266,11 +271,17 @@ class _Request:
     def choice(self, backend: LocalBackend, prompt_index: int, out: CompletionOutput) -> Json:
         index = prompt_index * self.params.n + out.index
         if self.is_chat:
+            message: Json = {"role": "assistant", "content": out.text}
+            finish_reason = out.finish_reason
+            parsed = parse_tool_calls(out.text, self.tool_names) if self.tool_names else None
+            if parsed is not None:
+                message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.calls}
+                finish_reason = "tool_calls"
             return {
                 "index": index,
-                "message": {"role": "assistant", "content": out.text},
+                "message": message,
                 "logprobs": _chat_logprobs(backend, out.logprobs),
-                "finish_reason": out.finish_reason,
+                "finish_reason": finish_reason,
             }
         text = out.text
         if self.echo and prompt_index < len(self.prompt_texts):
@@ -284,12 +295,24 @@ class _Request:
 
     def delta_choice(self, backend: LocalBackend, index: int, out: CompletionOutput) -> Json:
         if self.is_chat:
-            delta: Json = {"content": out.text} if out.text else {}
+            text, finish_reason = out.text, out.finish_reason
+            delta: Json = {}
+            if self.tool_names:
+                tools = self._tool_streams.setdefault(index, ToolCallStream(self.tool_names))
+                text = tools.feed(text)
+                if finish_reason is not None:
+                    tail, calls = tools.finish()
+                    text += tail
+                    if calls:
+                        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+                        finish_reason = "tool_calls"
+            if text:
+                delta = {"content": text, **delta}
             return {
                 "index": index,
                 "delta": delta,
                 "logprobs": _chat_logprobs(backend, out.logprobs),
-                "finish_reason": out.finish_reason,
+                "finish_reason": finish_reason,
             }
         return {
             "index": index,

@@ -96,6 +96,21 @@ async def test_chat_stream_matches_non_streaming_and_reports_usage(backend: Loca
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
+async def test_with_tools_text_that_is_no_call_streams_and_returns_as_content(backend: LocalBackend) -> None:
+    """The tool-call reader sits in both paths; on text that holds no call, both give the plain answer."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    body = {**CHAT, "max_tokens": 24, "temperature": 0}
+    plain = await backend.send("chat/completions", body, request_id="p")
+    whole = await backend.send("chat/completions", {**body, "tools": tools}, request_id="w")
+    message = whole["choices"][0]["message"]
+    assert message["content"] == plain["choices"][0]["message"]["content"] and "tool_calls" not in message
+    assert whole["choices"][0]["finish_reason"] == "length"
+    chunks = [c async for c in backend.stream("chat/completions", {**body, "tools": tools}, request_id="s")]
+    assert all(c["choices"][0]["delta"] or c["choices"][0]["finish_reason"] for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == message["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
 async def test_text_completions_with_several_prompts_and_n(backend: LocalBackend) -> None:
     body = {"model": "tiny", "prompt": ["Once upon", "The sky"], "n": 2, "max_tokens": 4, "seed": 3, "echo": True}
     response = await backend.send("completions", body, request_id="c")
