@@ -91,7 +91,7 @@ class Sampler:
         frequency = torch.tensor([s.params.frequency_penalty for s in seqs], device=device)[:, None]
         repetition = torch.tensor([s.params.repetition_penalty for s in seqs], device=device)[:, None]
         logits = logits - frequency * counts - presence * (counts > 0).float()
-        if bool((repetition != 1.0).any()):
+        if any(s.params.repetition_penalty != 1.0 for s in seqs):  # decided on the host: no device sync
             prompts = [s.prompt_token_ids for s in seqs]
             width = max(len(p) for p in prompts)
             padded_prompt = torch.tensor([p + [vocab] * (width - len(p)) for p in prompts], device=device)
