@@ -9,7 +9,8 @@ __all__ = ["select_ops"]
 
 def select_ops(attention_backend: str) -> ModuleType:
     """The module providing store_kv, paged_decode_attention, paged_prefill_attention, rms_norm, apply_rotary
-    and silu_and_mul with identical signatures."""
+    and silu_and_mul with identical signatures (apply_rotary works in place; silu_and_mul may overwrite its
+    input, which the model never reads again)."""
     if attention_backend == "torch":
         from local_engine.layers import torch_ops
 
