@@ -173,8 +173,9 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     sin = sin.unsqueeze(1).to(q.dtype)
     for x in (q, k):
         x1, x2 = x.chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        x.copy_(rotated)
+        first = torch.addcmul(x1 * cos, x2, sin, value=-1.0)  # x1 cos - x2 sin
+        x2.copy_(torch.addcmul(x2 * cos, x1, sin))  # x2 cos + x1 sin (reads x1 before it is overwritten)
+        x1.copy_(first)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
