@@ -133,7 +133,13 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self.dummy_forward()
+        try:
+            self.dummy_forward()
+        except torch.cuda.OutOfMemoryError as exc:
+            raise ValueError(
+                f"the profiling forward pass of {self._dummy_num_tokens} tokens ran out of GPU memory: lower "
+                "max_num_batched_tokens, or set kv_cache_memory to skip profiling"
+            ) from exc
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         torch.cuda.empty_cache()
@@ -178,13 +184,19 @@ class ModelRunner:
         """Decode CUDA graphs on a GPU with the Triton backend, unless `enforce_eager`."""
         if self.device.type != "cuda" or self.attention_backend != "triton" or self.engine_config.enforce_eager:
             return None
-        return DecodeGraphs(
-            self.model,
-            sizes=capture_sizes(self.engine_config.max_num_seqs),
-            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
-            device=self.device,
-            capture=True,
-        )
+        try:
+            return DecodeGraphs(
+                self.model,
+                sizes=capture_sizes(self.engine_config.max_num_seqs),
+                max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+                device=self.device,
+                capture=True,
+            )
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # slower, but serving beats not starting
+            logger.warning("CUDA graph capture failed (%s); decoding eagerly. Set enforce_eager to skip it.", exc)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            return None
 
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]  # in layer order
