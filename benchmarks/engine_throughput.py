@@ -218,6 +218,9 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true", help="measure only our engine")
     parser.add_argument("--cache-dir", type=Path, default=Path(".unigate/models"))
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--no-pack-cpu-weights", action="store_true", help="plain torch.nn.Linear (MKL) instead of oneDNN packed GEMMs"
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -238,6 +241,7 @@ def main() -> None:
         kv_cache_memory=2 * 2**30,
         max_num_seqs=64,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        pack_cpu_weights=not args.no_pack_cpu_weights,
     )
     engine = LLMEngine.from_checkpoint(checkpoint, config)
     print(f"KV cache: {engine.capacity.as_dict()}")
