@@ -19,8 +19,8 @@ from gateway.errors import GatewayError, InvalidRequestError
 from gateway.pipeline import open_call, serves_natively
 from gateway.routes.openai import JSONBytesResponse, read_json_body, require_model
 from gateway.sse import EventStreamResponse, encode_event, encode_events
+from gateway.translate.common import Event
 from gateway.translate.responses import (
-    Event,
     chat_chunks_to_response_events,
     chat_to_response,
     failure_code,

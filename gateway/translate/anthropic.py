@@ -17,7 +17,9 @@ from typing import Any
 
 from gateway.errors import GatewayError, InvalidRequestError, anthropic_error_type
 from gateway.translate.common import (
+    Event,
     Json,
+    TextHoldingBuilder,
     aclose_source,
     content_text,
     dumps,
@@ -28,8 +30,6 @@ from gateway.translate.common import (
 )
 
 __all__ = ["chat_chunks_to_events", "chat_to_message", "error_event", "guard_events", "messages_to_chat"]
-
-Event = tuple[str, Json]
 
 
 # ---------------------------------------------------------------- request: Messages → chat
@@ -340,12 +340,13 @@ async def chat_chunks_to_events(
         yield event
 
 
-class _EventBuilder:
+class _EventBuilder(TextHoldingBuilder):
     """The translator's state: which block is open, what the upstream said about stopping and usage."""
 
     def __init__(
         self, *, model: str, input_tokens: int, stop_sequences: Sequence[str] | None, message_id: str | None
     ) -> None:
+        super().__init__()
         self.model = model
         self.input_tokens = input_tokens
         self.stop_sequences = stop_sequences
@@ -355,7 +356,6 @@ class _EventBuilder:
         self.open_tool_key: Any = None  # the chat tool-call `index` of the open tool_use block
         self.closed_tool_keys: set[Any] = set()
         self.has_tool_use = False
-        self.pending_text = ""
         self.finish_reason: Any = None
         self.matched_stop: Any = None
         self.usage: Json | None = None
@@ -447,15 +447,6 @@ class _EventBuilder:
         self.open_kind = kind
         data = {"type": "content_block_start", "index": self.num_closed_blocks, "content_block": content_block}
         return "content_block_start", data
-
-    def _close_all(self) -> list[Event]:
-        """Close the open block, and the text block of any text held back while a tool call was open."""
-        events = self._close()
-        if self.pending_text:
-            text, self.pending_text = self.pending_text, ""
-            events.extend(self._text(text))
-            events.extend(self._close())
-        return events
 
     def _close(self) -> list[Event]:
         if self.open_kind is None:

@@ -9,9 +9,45 @@ from typing import Any
 
 import orjson
 
-__all__ = ["Json", "aclose_source", "content_text", "dumps", "new_id", "parse_arguments", "usage_counts"]
+__all__ = [
+    "Event",
+    "Json",
+    "TextHoldingBuilder",
+    "aclose_source",
+    "content_text",
+    "dumps",
+    "new_id",
+    "parse_arguments",
+    "usage_counts",
+]
 
 Json = dict[str, Any]
+Event = tuple[str, Json]  # (SSE event name, data)
+
+
+class TextHoldingBuilder:
+    """Base of the stream translators whose tool-call block (Anthropic) or item (Responses) cannot reopen: text
+    that arrives while one is open waits in `pending_text`, and becomes its own block when the call closes.
+    Subclasses implement `_text` (which holds text while a call is open) and `_close` (the open block)."""
+
+    def __init__(self) -> None:
+        self.pending_text = ""
+
+    def _text(self, text: str) -> list[Event]:
+        raise NotImplementedError
+
+    def _close(self) -> list[Event]:
+        raise NotImplementedError
+
+    def _close_all(self) -> list[Event]:
+        """Close the open block, and the block of any text held back while a tool call was open."""
+        events = self._close()
+        if self.pending_text:
+            text, self.pending_text = self.pending_text, ""
+            events.extend(self._text(text))
+            events.extend(self._close())
+        return events
+
 
 logger = logging.getLogger("unigate.translate")
 

@@ -15,11 +15,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from gateway.errors import GatewayError, InvalidRequestError
-from gateway.translate.common import Json, aclose_source, content_text, logger, new_id, usage_counts
+from gateway.translate.common import (
+    Event,
+    Json,
+    TextHoldingBuilder,
+    aclose_source,
+    content_text,
+    logger,
+    new_id,
+    usage_counts,
+)
 
 __all__ = ["chat_chunks_to_response_events", "chat_to_response", "responses_to_chat"]
-
-Event = tuple[str, Json]
 
 
 # ---------------------------------------------------------------- request: Responses → chat
@@ -342,8 +349,9 @@ async def chat_chunks_to_response_events(
         yield event
 
 
-class _ResponseBuilder:
+class _ResponseBuilder(TextHoldingBuilder):
     def __init__(self, request: Json, *, response_id: str, created_at: int) -> None:
+        super().__init__()
         self.request = request
         self.response_id = response_id
         self.created_at = created_at
@@ -351,7 +359,6 @@ class _ResponseBuilder:
         self.output: list[Json] = []  # items done so far, in output order
         self.open_item: Json | None = None  # the item being streamed; its output_index is len(self.output)
         self.open_text = ""
-        self.pending_text = ""
         self.open_tool_key: Any = None
         self.closed_tool_keys: set[Any] = set()
         self.finish_reason: Any = None
@@ -484,15 +491,6 @@ class _ResponseBuilder:
                     delta=function["arguments"],
                 )
             )
-        return events
-
-    def _close_all(self) -> list[Event]:
-        """Close the open item, and the message of any text held back while a function call was open."""
-        events = self._close()
-        if self.pending_text:
-            text, self.pending_text = self.pending_text, ""
-            events.extend(self._text(text))
-            events.extend(self._close())
         return events
 
     def _close(self) -> list[Event]:
