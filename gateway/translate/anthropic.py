@@ -26,6 +26,7 @@ from gateway.translate.common import (
     logger,
     new_id,
     parse_arguments,
+    translate_stream,
     usage_counts,
 )
 
@@ -307,7 +308,7 @@ def anthropic_usage(usage: Any) -> Json:
 # ---------------------------------------------------------------- stream: chat chunks → Anthropic events
 
 
-async def chat_chunks_to_events(
+def chat_chunks_to_events(
     chunks: AsyncIterator[Json],
     *,
     model: str,
@@ -325,19 +326,7 @@ async def chat_chunks_to_events(
     builder = _EventBuilder(
         model=model, input_tokens=input_tokens, stop_sequences=stop_sequences, message_id=message_id
     )
-    yield builder.start()
-    try:
-        async for chunk in chunks:
-            for event in builder.feed(chunk):
-                yield event
-    except Exception as error:
-        for event in builder.fail(error):
-            yield event
-        return
-    finally:
-        await aclose_source(chunks)
-    for event in builder.finish():
-        yield event
+    return translate_stream(builder, chunks)
 
 
 class _EventBuilder(TextHoldingBuilder):
@@ -360,7 +349,7 @@ class _EventBuilder(TextHoldingBuilder):
         self.matched_stop: Any = None
         self.usage: Json | None = None
 
-    def start(self) -> Event:
+    def start(self) -> list[Event]:
         message: Json = {
             "id": self.message_id,
             "type": "message",
@@ -371,7 +360,7 @@ class _EventBuilder(TextHoldingBuilder):
             "stop_sequence": None,
             "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
         }
-        return "message_start", {"type": "message_start", "message": message}
+        return [("message_start", {"type": "message_start", "message": message})]
 
     def feed(self, chunk: Json) -> list[Event]:
         if isinstance(chunk.get("usage"), dict):

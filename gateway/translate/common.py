@@ -18,6 +18,7 @@ __all__ = [
     "dumps",
     "new_id",
     "parse_arguments",
+    "translate_stream",
     "usage_counts",
 ]
 
@@ -26,12 +27,26 @@ Event = tuple[str, Json]  # (SSE event name, data)
 
 
 class TextHoldingBuilder:
-    """Base of the stream translators whose tool-call block (Anthropic) or item (Responses) cannot reopen: text
-    that arrives while one is open waits in `pending_text`, and becomes its own block when the call closes.
-    Subclasses implement `_text` (which holds text while a call is open) and `_close` (the open block)."""
+    """Base of the stream translators (chat chunks → Anthropic or Responses events), run by `translate_stream`.
+
+    Their tool-call block (Anthropic) or item (Responses) cannot reopen: text that arrives while one is open waits
+    in `pending_text`, and becomes its own block when the call closes. Subclasses implement `start`, `feed`,
+    `fail`, `finish`, `_text` (which holds text while a call is open) and `_close` (the open block)."""
 
     def __init__(self) -> None:
         self.pending_text = ""
+
+    def start(self) -> list[Event]:
+        raise NotImplementedError
+
+    def feed(self, chunk: Json) -> list[Event]:
+        raise NotImplementedError
+
+    def fail(self, error: Exception) -> list[Event]:
+        raise NotImplementedError
+
+    def finish(self) -> list[Event]:
+        raise NotImplementedError
 
     def _text(self, text: str) -> list[Event]:
         raise NotImplementedError
@@ -50,6 +65,25 @@ class TextHoldingBuilder:
 
 
 logger = logging.getLogger("unigate.translate")
+
+
+async def translate_stream(builder: TextHoldingBuilder, chunks: AsyncIterator[Json]) -> AsyncIterator[Event]:
+    """Run a stream builder over chat chunks: its opening events, each chunk's events, then its closing events —
+    or, when `chunks` raises, its failure events (the stream then ends there). The source is always closed."""
+    for event in builder.start():
+        yield event
+    try:
+        async for chunk in chunks:
+            for event in builder.feed(chunk):
+                yield event
+    except Exception as error:
+        for event in builder.fail(error):
+            yield event
+        return
+    finally:
+        await aclose_source(chunks)
+    for event in builder.finish():
+        yield event
 
 
 def new_id(prefix: str) -> str:

@@ -19,10 +19,10 @@ from gateway.translate.common import (
     Event,
     Json,
     TextHoldingBuilder,
-    aclose_source,
     content_text,
     logger,
     new_id,
+    translate_stream,
     usage_counts,
 )
 
@@ -323,7 +323,7 @@ def failure_code(error: Exception) -> str:
 # ---------------------------------------------------------------- stream: chat chunks → Responses events
 
 
-async def chat_chunks_to_response_events(
+def chat_chunks_to_response_events(
     chunks: AsyncIterator[Json], *, request: Json, response_id: str | None = None, created_at: int | None = None
 ) -> AsyncIterator[Event]:
     """Chat chunks as Responses events: `response.created`, `response.in_progress`, per output item its
@@ -334,19 +334,7 @@ async def chat_chunks_to_response_events(
         response_id=response_id or new_id("resp_"),
         created_at=created_at if created_at is not None else int(time.time()),
     )
-    for event in builder.start():
-        yield event
-    try:
-        async for chunk in chunks:
-            for event in builder.feed(chunk):
-                yield event
-    except Exception as error:
-        yield builder.fail(error)
-        return
-    finally:
-        await aclose_source(chunks)
-    for event in builder.finish():
-        yield event
+    return translate_stream(builder, chunks)
 
 
 class _ResponseBuilder(TextHoldingBuilder):
@@ -404,7 +392,7 @@ class _ResponseBuilder(TextHoldingBuilder):
         events.append(self._event("response.completed", response=response))
         return events
 
-    def fail(self, error: Exception) -> Event:
+    def fail(self, error: Exception) -> list[Event]:
         if isinstance(error, GatewayError):
             message = error.message
         else:
@@ -413,7 +401,7 @@ class _ResponseBuilder(TextHoldingBuilder):
         response = self._response("failed")
         response["output"] = [*self.output, *self._partial_item()]
         response["error"] = {"code": failure_code(error), "message": message}
-        return self._event("response.failed", response=response)
+        return [self._event("response.failed", response=response)]
 
     def _partial_item(self) -> list[Json]:
         """The output cut off by a failure, marked incomplete, with what had arrived of it."""
