@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +111,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         512,
         256,
         args.max_num_seqs,
-        64,
+        args.hf_batch,
         args.enforce_eager,
     )
 
@@ -296,6 +296,7 @@ class RunResult:
     tpot_ms: list[float]
     decode_seconds: float = 0.0  # steps that computed no prompt token (pure decode); engine runs only
     num_decode_tokens: int = 0
+    full_decode_steps_ms: list[float] = field(default_factory=list)  # pure-decode steps of max_num_seqs rows
 
     @property
     def tokens_per_s(self) -> float:
@@ -368,6 +369,7 @@ def run_engine(engine: Any, prompts: list[list[int]], output_len: int, plan: Pla
 
     decode_seconds = 0.0
     num_decode_tokens = 0
+    full_steps_ms: list[float] = []
     while has_unfinished():
         step_started = time.perf_counter()
         prompt_tokens_before = engine.meter.num_prompt_tokens
@@ -384,12 +386,40 @@ def run_engine(engine: Any, prompts: list[list[int]], output_len: int, plan: Pla
         if engine.meter.num_prompt_tokens == prompt_tokens_before:  # the sampled-token read synced the device
             decode_seconds += now - step_started
             num_decode_tokens += step_tokens
+            if step_tokens == plan.max_num_seqs:
+                full_steps_ms.append((now - step_started) * 1000)
     if plan.device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     ttft = [(first[r] - started) * 1000 for r in first]
     tpot = [(finished[r] - first[r]) * 1000 / (num_tokens[r] - 1) for r in finished if num_tokens[r] > 1]
-    return RunResult(seconds, sum(num_tokens.values()), ttft, tpot, decode_seconds, num_decode_tokens)
+    return RunResult(seconds, sum(num_tokens.values()), ttft, tpot, decode_seconds, num_decode_tokens, full_steps_ms)
+
+
+def decode_step_breakdown(engine: Any, result: RunResult, plan: Plan) -> str | None:
+    """Where a full decode step's wall time goes: the captured forward's GPU time (graph replay), the logits and
+    argmax, and the rest (host work: scheduling, inputs, sampling bookkeeping, outputs)."""
+    import torch
+
+    graphs = engine.runner.graphs
+    if graphs is None or not result.full_decode_steps_ms or plan.max_num_seqs not in graphs.graphs:
+        return None
+    size = plan.max_num_seqs
+    # The static buffers still hold the run's last full batch: replaying rewrites those finished requests' KV.
+    forward_ms = bench_ms(graphs.graphs[size].replay, torch.device(plan.device))
+    hidden = graphs.outputs[size]
+
+    @torch.inference_mode()
+    def logits_and_argmax() -> Any:
+        return engine.runner.model.compute_logits(hidden).float().argmax(-1)
+
+    logits_ms = bench_ms(logits_and_argmax, hidden.device)
+    wall_ms = percentile(result.full_decode_steps_ms, 0.5)
+    host_ms = wall_ms - forward_ms - logits_ms
+    return (
+        f"decode step at batch {size}: wall {wall_ms:.2f} ms (median of {len(result.full_decode_steps_ms)}) = "
+        f"forward graph {forward_ms:.2f} ms + logits/argmax {logits_ms:.2f} ms + host and launches {host_ms:.2f} ms"
+    )
 
 
 def run_hf_generate(model: Any, prompts: list[list[int]], output_len: int, plan: Plan) -> RunResult:
@@ -496,7 +526,13 @@ def bench_engine(plan: Plan, copy_bw: float, skip_hf: bool) -> None:
         run_engine(engine, warmup, 4, plan)  # compiles the kernels, warms the allocator
         result = run_engine(engine, prompts, plan.output_len, plan)
         print_row(shape_name, "unigate", result, floor)
-        del engine
+        try:
+            breakdown = decode_step_breakdown(engine, result, plan)
+        except Exception as exc:  # a diagnostic only: never lose the rest of the run to it
+            breakdown = f"decode step breakdown failed: {type(exc).__name__}: {exc}"
+        if breakdown:
+            memory_lines.append(f"{shape_name}: {breakdown}")
+        del engine, runner  # both hold the KV cache: transformers needs that memory back
         if plan.device == "cuda":
             torch.cuda.empty_cache()
         if not skip_hf:
@@ -531,6 +567,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", default="8b,1b", help="model shapes for the engine section (8b, 1b)")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--hf-batch", type=int, default=64, help="transformers generate static batch size")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--skip-kernels", action="store_true", help="skip the kernel checks and attention timing")
     parser.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs (to measure their gain)")
