@@ -3,9 +3,11 @@ model weights and the paged KV cache, and returns the logits of the sequences th
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
+import numpy as np
 import torch
 
 from local_engine.config import EngineConfig, KVCapacity, ModelConfig
@@ -40,6 +42,18 @@ def kv_cache_budget(
     Memory torch reserved but does not use counts as available."""
     others = max(total - free - reserved, 0)
     return int(total * utilization) - others - allocated - activations_peak
+
+
+def _block_table_array(tables: list[list[int]]) -> np.ndarray:
+    """Block tables as one int32 array `[len(tables), longest]`, zero-padded (entries past a context are never
+    read), filled in C rather than row by row."""
+    lengths = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
+    width = int(lengths.max()) if len(tables) else 0
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    if width:
+        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
+        out[np.arange(width)[None, :] < lengths[:, None]] = flat
+    return out
 
 
 class ModelRunner:
@@ -212,21 +226,24 @@ class ModelRunner:
 
     # -- one step -----------------------------------------------------------------------------------------------
 
-    def _block_table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        return torch.tensor(padded, dtype=torch.int32)
-
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """(input_ids [T], positions [T], attention metadata, logits_indices [N]) on the device."""
+        """(input_ids [T], positions [T], attention metadata, logits_indices [N]) on the device.
+
+        Host work per step is proportional to the batch, so decode rows (one token each) take a short path, and
+        the inputs reach a GPU in two copies: one int64 buffer (token ids, positions, slots, logits rows) and one
+        int32 buffer (context lengths, query offsets, block tables), sliced into views on the device."""
         size = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_indices: list[int] = []
-        context_lens: list[int] = []
-        cu_seqlens = [0]
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        seqs = batch.seqs
+        num_decode = batch.num_decode_seqs
+        decodes = seqs[:num_decode]
+        # A decode row computes the sequence's last token, at position num_tokens - 1, and always samples.
+        positions = [len(seq.token_ids) - 1 for seq in decodes]
+        input_ids = [seq.token_ids[-1] for seq in decodes]
+        slots = [seq.block_table[p // size] * size + p % size for seq, p in zip(decodes, positions, strict=True)]
+        context_lens = [p + 1 for p in positions]
+        logits_indices = list(range(num_decode))
+        prefill_cu = [0]
+        for seq, num_new in zip(seqs[num_decode:], batch.num_new_tokens[num_decode:], strict=True):
             start = seq.num_computed_tokens
             end = start + num_new
             input_ids.extend(seq.token_ids[start:end])
@@ -234,50 +251,51 @@ class ModelRunner:
             table = seq.block_table
             slots.extend(table[p // size] * size + p % size for p in range(start, end))
             context_lens.append(end)
-            cu_seqlens.append(cu_seqlens[-1] + num_new)
+            prefill_cu.append(prefill_cu[-1] + num_new)
             if end == seq.num_tokens:
                 logits_indices.append(len(input_ids) - 1)
-        num_decode = batch.num_decode_seqs
-        tables = [seq.block_table for seq in batch.seqs]
+        num_tokens = len(input_ids)
+        num_prefill = len(seqs) - num_decode
+        tables = [seq.block_table for seq in seqs]
+        decode_tables = _block_table_array(tables[:num_decode])
+        prefill_tables = _block_table_array(tables[num_decode:])
+
+        longs = np.array(input_ids + positions + slots + logits_indices, dtype=np.int64)
+        ints = np.concatenate(
+            (
+                np.array(context_lens + prefill_cu, dtype=np.int32),
+                decode_tables.reshape(-1),
+                prefill_tables.reshape(-1),
+            )
+        )
+        longs_t = torch.from_numpy(longs)
+        ints_t = torch.from_numpy(ints)
+        if self.device.type != "cpu":
+            longs_t = longs_t.to(self.device, non_blocking=True)
+            ints_t = ints_t.to(self.device, non_blocking=True)
+        t = num_tokens
+        input_ids_t, positions_t, slots_t = longs_t[:t], longs_t[t : 2 * t], longs_t[2 * t : 3 * t]
+        logits_indices_t = longs_t[3 * t :]
+        num_seqs = len(seqs)
+        offset = num_seqs + num_prefill + 1
+        decode_tables_t = ints_t[offset : offset + decode_tables.size].view(decode_tables.shape)
+        offset += decode_tables.size
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            slot_mapping=slots_t,
             num_decode_tokens=num_decode,
-            decode_block_tables=self._block_table_tensor(tables[:num_decode]) if num_decode else None,
-            decode_context_lens=torch.tensor(context_lens[:num_decode], dtype=torch.int32) if num_decode else None,
+            decode_block_tables=decode_tables_t if num_decode else None,
+            decode_context_lens=ints_t[:num_decode] if num_decode else None,
             prefill_block_tables=None,
             prefill_cu_seqlens_q=None,
             prefill_context_lens=None,
             prefill_max_seqlen_q=0,
         )
-        if num_decode < len(batch.seqs):
-            prefill_cu = [c - num_decode for c in cu_seqlens[num_decode:]]
-            meta.prefill_block_tables = self._block_table_tensor(tables[num_decode:])
-            meta.prefill_cu_seqlens_q = torch.tensor(prefill_cu, dtype=torch.int32)
-            meta.prefill_context_lens = torch.tensor(context_lens[num_decode:], dtype=torch.int32)
+        if num_prefill:
+            meta.prefill_block_tables = ints_t[offset : offset + prefill_tables.size].view(prefill_tables.shape)
+            meta.prefill_cu_seqlens_q = ints_t[num_seqs : num_seqs + num_prefill + 1]
+            meta.prefill_context_lens = ints_t[num_decode:num_seqs]
             meta.prefill_max_seqlen_q = max(batch.num_new_tokens[num_decode:])
-        if self.device.type != "cpu":
-            meta = self._to_device(meta)
-        device = self.device
-        return (
-            torch.tensor(input_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            meta,
-            torch.tensor(logits_indices, dtype=torch.int64, device=device),
-        )
-
-    def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
-        for name in (
-            "slot_mapping",
-            "decode_block_tables",
-            "decode_context_lens",
-            "prefill_block_tables",
-            "prefill_cu_seqlens_q",
-            "prefill_context_lens",
-        ):
-            value = getattr(meta, name)
-            if value is not None:
-                setattr(meta, name, value.to(self.device, non_blocking=True))
-        return meta
+        return input_ids_t, positions_t, meta, logits_indices_t
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -287,4 +305,6 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden[logits_indices]).float()
+        if logits_indices.shape[0] != hidden.shape[0]:  # rows are increasing: as many rows means all of them
+            hidden = hidden[logits_indices]
+        return self.model.compute_logits(hidden).float()
