@@ -464,7 +464,7 @@ def decode_floor_tokens_per_s(config: dict[str, Any], plan: Plan, num_weight_byt
     return float(batch / step_seconds)
 
 
-def bench_engine(plan: Plan, copy_bw: float, skip_hf: bool) -> None:
+def bench_engine(plan: Plan, copy_bw: float, skip_hf: bool, profile_host: bool = False) -> None:
     try:
         import torch
 
@@ -524,8 +524,18 @@ def bench_engine(plan: Plan, copy_bw: float, skip_hf: bool) -> None:
 
         warmup = prompts[: min(4, len(prompts))]
         run_engine(engine, warmup, 4, plan)  # compiles the kernels, warms the allocator
-        result = run_engine(engine, prompts, plan.output_len, plan)
-        print_row(shape_name, "unigate", result, floor)
+        if profile_host:
+            import cProfile
+            import pstats
+
+            profiler = cProfile.Profile()
+            result = profiler.runcall(run_engine, engine, prompts, plan.output_len, plan)
+            print_row(shape_name, "unigate", result, floor)
+            print(f"\nhost profile of the {shape_name} run (cProfile inflates host time; read it for shares):")
+            pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(15)
+        else:
+            result = run_engine(engine, prompts, plan.output_len, plan)
+            print_row(shape_name, "unigate", result, floor)
         try:
             breakdown = decode_step_breakdown(engine, result, plan)
         except Exception as exc:  # a diagnostic only: never lose the rest of the run to it
@@ -572,6 +582,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-kernels", action="store_true", help="skip the kernel checks and attention timing")
     parser.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs (to measure their gain)")
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers generate comparison")
+    parser.add_argument("--profile-host", action="store_true", help="cProfile the engine runs' host (Python) work")
     return parser.parse_args(argv)
 
 
@@ -597,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_kernels:
         bench_decode_attention(plan, copy_bw)
     if not args.skip_engine:
-        bench_engine(plan, copy_bw, args.skip_hf)
+        bench_engine(plan, copy_bw, args.skip_hf, args.profile_host)
     print(f"\ntotal {time.perf_counter() - started:.0f} s; kernel checks {'passed' if ok else 'FAILED'}")
     return 0 if ok else 1
 
