@@ -40,7 +40,8 @@ class _Request:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        seqs = self.seqs
+        return seqs[0].is_finished if len(seqs) == 1 else all(s.is_finished for s in seqs)
 
 
 class LLMEngine:
@@ -170,55 +171,51 @@ class LLMEngine:
         sampled = self.sampler(logits, sampling_seqs)
         self.scheduler.postprocess(batch, sampled.token_ids)
         self.meter.record(num_prompt, len(sampling_seqs))
-        changed: dict[str, list[CompletionOutput]] = {}
+        requests = self.requests
+        changed: dict[str, tuple[_Request, list[CompletionOutput]]] = {}
         for seq, logprob in zip(sampling_seqs, sampled.logprobs, strict=True):
-            out = self._process_token(seq)
+            request = requests[seq.request_id]
+            out = self._process_token(seq, request)
             if logprob is not None:
                 out.logprobs = [logprob]
-            changed.setdefault(seq.request_id, []).append(out)
+            entry = changed.get(seq.request_id)
+            if entry is None:
+                changed[seq.request_id] = (request, [out])
+            else:
+                entry[1].append(out)
         results = []
-        for request_id, outputs in changed.items():
-            request = self.requests[request_id]
+        for request_id, (request, outputs) in changed.items():
             finished = request.is_finished
             if finished:
-                del self.requests[request_id]
+                del requests[request_id]
+            first = request.seqs[0]
             results.append(
-                RequestOutput(
-                    request_id,
-                    outputs,
-                    num_prompt_tokens=request.seqs[0].num_prompt_tokens,
-                    num_cached_tokens=request.seqs[0].num_cached_tokens,
-                    finished=finished,
-                )
+                RequestOutput(request_id, outputs, first.num_prompt_tokens, first.num_cached_tokens, finished)
             )
         return results
 
-    def _process_token(self, seq: Sequence) -> CompletionOutput:
+    def _process_token(self, seq: Sequence, request: _Request) -> CompletionOutput:
         """Detokenize the new token, apply stop strings, and describe the change."""
-        token_id = seq.last_token_id
-        detokenizer = self.requests[seq.request_id].detokenizers[seq.index]
+        token_id = seq.token_ids[-1]
+        detokenizer = request.detokenizers[seq.index]
+        finished = seq.is_finished
         text = ""
         if detokenizer is not None:
             # EOS and stop token ids end the text without appearing in it.
-            ended_by_token = seq.is_finished and seq.finish_reason is FinishReason.STOP
-            if not ended_by_token:
+            if not (finished and seq.finish_reason is FinishReason.STOP):
                 text = detokenizer.add_tokens([token_id])
-                if detokenizer.stop_reason is not None and not seq.is_finished:
+                if detokenizer.stop_reason is not None and not finished:
                     self.scheduler.finish(seq, FinishReason.STOP)
                     seq.stop_reason = detokenizer.stop_reason
-            if seq.is_finished:
+                    finished = True
+            if finished:
                 text += detokenizer.flush()
-        if seq.is_finished:
-            self.sampler.forget(seq)
-        reason = seq.finish_reason.value if seq.is_finished and seq.finish_reason is not None else None
-        return CompletionOutput(
-            index=seq.index,
-            text=text,
-            token_ids=[token_id],
-            finish_reason=reason,
-            stop_reason=seq.stop_reason if seq.is_finished else None,
-            num_output_tokens=seq.num_output_tokens,
-        )
+        num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+        if not finished:
+            return CompletionOutput(seq.index, text, [token_id], num_output_tokens=num_output_tokens)
+        self.sampler.forget(seq)
+        reason = seq.finish_reason.value if seq.finish_reason is not None else None
+        return CompletionOutput(seq.index, text, [token_id], None, reason, seq.stop_reason, num_output_tokens)
 
     # -- convenience and stats ----------------------------------------------------------------------------------
 

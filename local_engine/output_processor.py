@@ -109,14 +109,14 @@ class IncrementalDetokenizer:
         return delta
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the top-k alternatives (token id, logprob), best first
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One choice of a request. In a step's output, `text`, `token_ids` and `logprobs` are what is new since
     the previous output for this choice; `accumulate` merges deltas into the whole completion."""
@@ -130,7 +130,7 @@ class CompletionOutput:
     num_output_tokens: int = 0  # cumulative
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     outputs: list[CompletionOutput]  # the choices that changed this step

@@ -67,7 +67,7 @@ class Sampler:
         cols: list[int] = []
         for i, seq in enumerate(seqs):
             p = seq.params
-            if seq.num_output_tokens < p.min_tokens:
+            if p.min_tokens and seq.num_output_tokens < p.min_tokens:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(seq.eos_token_ids))
                 rows.extend([i] * len(banned))
                 cols.extend(banned)

@@ -98,16 +98,23 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
+        block_size = self.block_manager.block_size
         scheduled: dict[Sequence, int] = {}
         preempted: list[Sequence] = []
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        for seq in self.running:
+            (decodes if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefills).append(seq)
         for seq in decodes + prefills:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_uncomputed_tokens, budget)
             if num_new == 0:
                 break
+            if num_new == 1 and seq.num_computed_tokens % block_size:
+                scheduled[seq] = 1  # the token goes into the last block, which has room: nothing to allocate
+                budget -= 1
+                continue
             while not self.block_manager.can_append(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -122,10 +129,11 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(scheduled, budget)
         # Decodes first, longest context first (attention groups sequences of similar length), then prefills.
-        decode_seqs = sorted(
-            (s for s, n in scheduled.items() if n == 1 and s.num_uncomputed_tokens == 1), key=lambda s: -s.num_tokens
-        )
-        prefill_items = [(s, n) for s, n in scheduled.items() if not (n == 1 and s.num_uncomputed_tokens == 1)]
+        decode_seqs = [s for s, n in scheduled.items() if n == 1 and len(s.token_ids) - s.num_computed_tokens == 1]
+        decode_seqs.sort(key=lambda s: -len(s.token_ids))
+        prefill_items = [
+            (s, n) for s, n in scheduled.items() if not (n == 1 and len(s.token_ids) - s.num_computed_tokens == 1)
+        ]
         return ScheduledBatch(
             seqs=decode_seqs + [s for s, _ in prefill_items],
             num_new_tokens=[1] * len(decode_seqs) + [n for _, n in prefill_items],
@@ -168,15 +176,19 @@ class Scheduler:
         Returns the sequences that received a token; finished ones are already freed."""
         updated: list[Sequence] = []
         tokens = iter(sampled_token_ids)
+        size = self.block_manager.block_size
+        cache_full_blocks = self.block_manager.cache_full_blocks
+        max_model_len = self.max_model_len
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             before = seq.num_computed_tokens
-            seq.num_computed_tokens = before + num_new
-            self.block_manager.cache_full_blocks(seq, before)
-            if seq.num_computed_tokens < seq.num_tokens:
+            seq.num_computed_tokens = computed = before + num_new
+            if computed // size != before // size:  # a block became full
+                cache_full_blocks(seq, before)
+            if computed < len(seq.token_ids):
                 continue  # a prefill chunk that does not reach the end of the prompt yet
-            seq.append_token(next(tokens))
+            seq.token_ids.append(next(tokens))
             updated.append(seq)
-            if seq.check_stop(self.max_model_len):
+            if seq.check_stop(max_model_len):
                 self.finish(seq, seq.finish_reason or FinishReason.STOP)
         return updated
 
