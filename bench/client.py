@@ -16,6 +16,7 @@ import httpx
 import orjson
 
 from bench.workload import BenchRequest
+from gateway.sse import SSEDataLines
 
 __all__ = ["BenchClient", "ProbeResult", "RequestResult", "error_code_of", "server_root"]
 
@@ -151,14 +152,8 @@ class BenchClient:
     async def _read_stream(self, response: httpx.Response, result: RequestResult, started: float) -> None:
         last_token_at: float | None = None
         num_chunks = 0
-        is_done = False
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                is_done = True
-                break
+        stream = SSEDataLines(response.aiter_lines())
+        async for data in stream:
             now = time.perf_counter()
             try:
                 chunk = orjson.loads(data)
@@ -183,7 +178,7 @@ class BenchClient:
                     result.num_prompt_tokens = usage["prompt_tokens"]
         if not result.is_usage_reported:
             result.num_output_tokens = num_chunks
-        if not is_done:
+        if not stream.is_done:
             result.error_code = "stream_incomplete"
         elif result.ttft_s is None:
             result.error_code = "no_content"

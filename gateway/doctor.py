@@ -22,6 +22,7 @@ import httpx
 import orjson
 
 from gateway.doctor_explain import error_envelope, explain_error, transport_failure
+from gateway.sse import SSEDataLines
 
 __all__ = ["Check", "CheckStatus", "Diagnosis", "client_config", "diagnose", "explain_error", "server_root"]
 
@@ -306,13 +307,8 @@ async def _check_stream(http: httpx.AsyncClient, diagnosis: Diagnosis, base: str
                     _STREAM_FIX,
                 )
                 return
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    is_done = True
-                    break
+            stream = SSEDataLines(response.aiter_lines())
+            async for data in stream:
                 try:
                     chunk = orjson.loads(data)
                 except orjson.JSONDecodeError:
@@ -327,6 +323,7 @@ async def _check_stream(http: httpx.AsyncClient, diagnosis: Diagnosis, base: str
                     return
                 if isinstance(chunk, dict) and isinstance(chunk.get("choices"), list) and chunk["choices"]:
                     num_with_choices += 1
+            is_done = stream.is_done
     except httpx.HTTPError as exc:
         diagnosis.add(
             "streaming",

@@ -18,6 +18,7 @@ from gateway.errors import GatewayError, UnavailableError
 __all__ = [
     "DONE",
     "EventStreamResponse",
+    "SSEDataLines",
     "SSEDecoder",
     "encode_data",
     "encode_event",
@@ -94,6 +95,27 @@ class SSEDecoder:
         events = self.feed(b"\n\n") if (self._buffer or self._data) else []
         self._buffer = b""
         return events
+
+
+class SSEDataLines:
+    """The payloads of an OpenAI-style stream read line by line (a client's view: `bench`, `doctor`): each
+    `data:` line's text, stripped, up to `data: [DONE]`, which ends the iteration and sets `is_done`."""
+
+    __slots__ = ("_lines", "is_done")
+
+    def __init__(self, lines: AsyncIterator[str]) -> None:
+        self._lines = lines
+        self.is_done = False
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        async for line in self._lines:
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                self.is_done = True
+                return
+            yield data
 
 
 class EventStreamResponse(Response):
