@@ -15,7 +15,7 @@ from gateway.errors import BackendError
 from gateway.normalize import normalize_chunk, normalize_response
 from gateway.routing_config import RoutingConfigError, default_routing, load_routing, parse_routing
 from gateway.settings import Settings
-from gateway.sse import SSEDecoder
+from gateway.sse import SSEDataLines, SSEDecoder
 
 ISSUE_EXAMPLE = """
 models:
@@ -177,3 +177,15 @@ def test_sse_decoder_handles_splits_crlf_multiline_and_comments() -> None:
     assert events == [("message", b'{"a":\n1}'), ("ping", b"x"), ("message", b"[DONE]")]
     tail = SSEDecoder()
     assert tail.feed(b"data: last") == [] and tail.flush() == [("message", b"last")]
+
+
+async def _lines(*lines: str) -> Any:
+    for line in lines:
+        yield line
+
+
+async def test_sse_data_lines_stop_at_done_and_say_whether_it_came() -> None:
+    stream = SSEDataLines(_lines(": ping", "data: {}", "", "event: x", "data:[1]", "data: [DONE]", "data: late"))
+    assert [data async for data in stream] == ["{}", "[1]"] and stream.is_done
+    cut = SSEDataLines(_lines("data: {}", ""))
+    assert [data async for data in cut] == ["{}"] and not cut.is_done
