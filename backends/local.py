@@ -32,7 +32,7 @@ logger = logging.getLogger("unigate.engine")
 
 _NATIVE: frozenset[str] = frozenset({"chat/completions", "completions"})
 # OpenAI fields this engine cannot honour: refused with a clear 400 rather than silently ignored.
-_UNSUPPORTED = ("logit_bias", "suffix", "functions", "audio", "prediction")
+_UNSUPPORTED = ("suffix", "functions", "audio", "prediction")
 
 
 class LocalBackend:
@@ -446,7 +446,26 @@ def _sampling_params(body: Json, is_chat: bool) -> SamplingParams:
         logprobs=None if logprobs is None else int(logprobs),
         skip_special_tokens=bool(body.get("skip_special_tokens", True)),
         include_stop_str_in_output=bool(body.get("include_stop_str_in_output", False)),
+        logit_bias=_logit_bias(body.get("logit_bias")),
     )
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"token id": bias}` object (keys are strings in JSON) as sorted (id, bias) pairs."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ValueError("logit_bias must be an object mapping token ids to biases")
+    pairs = []
+    for key, bias in value.items():
+        try:
+            token_id = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise ValueError(f"logit_bias values must be numbers, got {bias!r} for token {key}")
+        pairs.append((token_id, float(bias)))
+    return tuple(sorted(pairs))
 
 
 # -- responses ----------------------------------------------------------------------------------------------------

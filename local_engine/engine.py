@@ -101,6 +101,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        if any(token_id >= vocab for token_id, _ in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
         return self.scheduler.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:

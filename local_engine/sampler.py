@@ -48,6 +48,8 @@ class Sampler:
         device = logits.device
         params = [s.params for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
+        if any(p.logit_bias for p in params):
+            logits = self._apply_logit_bias(logits, seqs)
         logits = self._mask_min_tokens(logits, seqs)
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits, seqs)
@@ -60,6 +62,20 @@ class Sampler:
             )
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, self._logprobs(raw_logprobs, token_ids, seqs, vocab))
+
+    def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """OpenAI `logit_bias`: each request's biases added to its row (-100 or 100 in effect ban or force)."""
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[float] = []
+        for i, seq in enumerate(seqs):
+            for token_id, bias in seq.params.logit_bias:
+                rows.append(i)
+                cols.append(token_id)
+                values.append(bias)
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
 
     def _mask_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Before min_tokens are out, EOS and stop token ids cannot be sampled."""

@@ -28,6 +28,8 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; k = the sampled token's logprob plus the top k alternatives
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # OpenAI `logit_bias`: (token id, bias in [-100, 100]) pairs added to the logits before sampling.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -58,6 +60,14 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        for token_id, bias in self.logit_bias:
+            if token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token_id}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
 
     @property
     def is_greedy(self) -> bool:

@@ -156,8 +156,20 @@ async def test_errors_are_gateway_errors(backend: LocalBackend) -> None:
     assert info.value.code == "context_length_exceeded"
     with pytest.raises(InvalidRequestError, match="top_p"):
         await backend.send("chat/completions", {**CHAT, "top_p": 0}, request_id="e3")
-    with pytest.raises(InvalidRequestError, match="logit_bias"):
-        await backend.send("chat/completions", {**CHAT, "logit_bias": {"1": 5}}, request_id="e4")
+    for bias, reason in (({"1": 101}, "in \\[-100, 100\\]"), ({"x": 1}, "token ids"), ({"999999": 1}, "token ids in")):
+        with pytest.raises(InvalidRequestError, match=f"logit_bias.*{reason}"):
+            await backend.send("chat/completions", {**CHAT, "logit_bias": bias}, request_id="e4")
+
+
+async def test_logit_bias_bans_and_forces_tokens(backend: LocalBackend, real_tokenizer: Any) -> None:
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 6, "temperature": 0}
+    text = (await backend.send("completions", body, request_id="b1"))["choices"][0]["text"]
+    first = real_tokenizer.hf.encode(text)[0]
+    banned = await backend.send("completions", {**body, "logit_bias": {str(first): -100}}, request_id="b2")
+    assert real_tokenizer.hf.encode(banned["choices"][0]["text"])[0] != first
+    forced_id = real_tokenizer.hf.encode(" sun")[0]
+    forced = await backend.send("completions", {**body, "logit_bias": {str(forced_id): 100}}, request_id="b3")
+    assert forced["choices"][0]["text"] == real_tokenizer.hf.decode([forced_id] * 6)
 
 
 async def test_closing_a_stream_aborts_the_engine_request(backend: LocalBackend) -> None:

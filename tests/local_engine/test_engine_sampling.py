@@ -100,6 +100,20 @@ def test_penalties_and_min_tokens() -> None:
     assert Sampler()(logits[3:], seqs[3:]).token_ids == [2]  # EOS (0) and the stop token (1) are banned
 
 
+def test_logit_bias_shifts_only_its_rows_and_tokens() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0, -1.0]] * 3)
+    params = [
+        SamplingParams(temperature=0.0, logit_bias=((0, -0.5),)),  # 2.5 < 2.9: token 1 wins
+        SamplingParams(temperature=0.0, logit_bias=((3, 100.0), (2, 1.0))),  # forced
+        SamplingParams(temperature=0.0),  # untouched in the same batch
+    ]
+    assert Sampler()(logits.clone(), make_seqs(params, [[], [], []])).token_ids == [1, 3, 0]
+    with pytest.raises(ValueError, match=r"logit_bias values must be in \[-100, 100\]"):
+        SamplingParams(logit_bias=((1, 100.5),))
+    with pytest.raises(ValueError, match="logit_bias keys"):
+        SamplingParams(logit_bias=((-1, 1.0),))
+
+
 def test_logprobs_are_the_raw_model_distribution() -> None:
     logits = torch.randn(3, 50)
     params = [
