@@ -12,6 +12,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     UNIGATE_LOG_FORMAT=json
 
 WORKDIR /app
+# With the engine: a C compiler, so the CPU decode-attention kernel is built at start-up (else the torch path).
+RUN if [ -n "$EXTRAS" ]; then apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*; fi
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY auth ./auth

@@ -221,6 +221,11 @@ def main() -> None:
     parser.add_argument(
         "--no-pack-cpu-weights", action="store_true", help="plain torch.nn.Linear (MKL) instead of oneDNN packed GEMMs"
     )
+    parser.add_argument(
+        "--no-cpu-kernels",
+        action="store_true",
+        help="torch ops instead of the native CPU kernels (decode attention, rotary)",
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -242,6 +247,7 @@ def main() -> None:
         max_num_seqs=64,
         max_num_batched_tokens=args.max_num_batched_tokens,
         pack_cpu_weights=not args.no_pack_cpu_weights,
+        cpu_kernels=not args.no_cpu_kernels,
     )
     engine = LLMEngine.from_checkpoint(checkpoint, config)
     print(f"KV cache: {engine.capacity.as_dict()}")

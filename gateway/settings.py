@@ -35,6 +35,7 @@ class EngineSettings(BaseModel):
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # disable CUDA graphs
     pack_cpu_weights: bool = True  # CPU: oneDNN GEMMs on pre-packed weights (False: plain torch.nn.Linear)
+    cpu_kernels: bool = True  # CPU: decode attention and rotary in C kernels built at start-up (False: torch)
 
 
 class LimitSettings(BaseModel):

@@ -157,6 +157,7 @@ class EngineConfig:
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     enforce_eager: bool = False  # True: no decode CUDA graphs (they need a GPU and the Triton backend anyway)
     pack_cpu_weights: bool = True  # CPU: projections through oneDNN on pre-packed weights (layers/linear.py)
+    cpu_kernels: bool = True  # CPU: decode attention and rotary in the C kernels of layers/cpu_kernels.py
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -187,6 +188,7 @@ class EngineConfig:
             attention_backend=settings.attention_backend,
             enforce_eager=settings.enforce_eager,
             pack_cpu_weights=settings.pack_cpu_weights,
+            cpu_kernels=settings.cpu_kernels,
         )
 
     def resolved_device(self, is_cuda_available: bool) -> str:

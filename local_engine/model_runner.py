@@ -69,7 +69,9 @@ class ModelRunner:
         self.attention_backend = engine_config.resolved_attention_backend(self.device.type, _is_triton_available())
         self.block_size = engine_config.block_size
         self.max_model_len = engine_config.resolved_max_model_len(model_config)
-        ops = select_ops(self.attention_backend)
+        native_cpu = self.device.type == "cpu" and engine_config.cpu_kernels
+        ops = select_ops(self.attention_backend, native_cpu=native_cpu)
+        self.ops_name = ops.__name__.rsplit(".", 1)[-1]  # torch_ops, cpu_ops or kernels
         self.model = self._build_model(ops, state_dict)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.num_packed_linears = 0
@@ -86,7 +88,7 @@ class ModelRunner:
             model_config.model_type,
             self.dtype_name,
             self.device,
-            self.attention_backend,
+            f"{self.attention_backend} ({self.ops_name})",
             "off" if self.graphs is None else f"for batch sizes up to {self.graphs.max_size}",
             self.weights_bytes / 2**20,
             "not profiled" if self.activations_peak_bytes is None else f"{self.activations_peak_bytes / 2**20:.0f} MiB",

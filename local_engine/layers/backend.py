@@ -1,4 +1,5 @@
-"""Choose the implementation of the six engine operations by name: "torch" (this package) or "triton"."""
+"""Choose the implementation of the six engine operations by name: "torch" (this package, optionally with the
+native CPU kernels) or "triton"."""
 
 from __future__ import annotations
 
@@ -7,13 +8,18 @@ from types import ModuleType
 __all__ = ["select_ops"]
 
 
-def select_ops(attention_backend: str) -> ModuleType:
+def select_ops(attention_backend: str, *, native_cpu: bool = False) -> ModuleType:
     """The module providing store_kv, paged_decode_attention, paged_prefill_attention, rms_norm, apply_rotary
     and silu_and_mul with identical signatures (apply_rotary works in place; silu_and_mul may overwrite its
-    input, which the model never reads again)."""
+    input, which the model never reads again). `native_cpu`: the torch ops with decode attention and
+    rotary through the C kernels of `layers/cpu_kernels.py`, when they build on this machine."""
     if attention_backend == "torch":
-        from local_engine.layers import torch_ops
+        from local_engine.layers import cpu_kernels, torch_ops
 
+        if native_cpu and cpu_kernels.is_available():
+            from local_engine.layers import cpu_ops
+
+            return cpu_ops
         return torch_ops
     if attention_backend == "triton":
         import local_engine.kernels as kernels

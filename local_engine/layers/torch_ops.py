@@ -141,12 +141,14 @@ def paged_prefill_attention(
         table = block_tables[s, : -(-context_len // block_size)].long()
         k = _gather(k_cache, table)[:context_len].transpose(0, 1)  # [KVH, ctx, D]
         v = _gather(v_cache, table)[:context_len].transpose(0, 1)
-        if group > 1:
-            k = k.repeat_interleave(group, dim=0)  # [H, ctx, D]: head h reads KV head h // G, as in HF
-            v = v.repeat_interleave(group, dim=0)
         q_s = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         o = F.scaled_dot_product_attention(
-            q_s, k.unsqueeze(0), v.unsqueeze(0), attn_mask=causal_lower_right(q_len, context_len), scale=scale
+            q_s,
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            attn_mask=causal_lower_right(q_len, context_len),
+            scale=scale,
+            enable_gqa=group > 1,  # head h reads KV head h // G, as in HF, without repeating K and V
         )  # [1, H, q_len, D]
         out[start:end] = o[0].transpose(0, 1)
     return out

@@ -1,0 +1,243 @@
+/* The local engine's native CPU kernels, float32: paged decode attention reading the KV cache blocks in place
+ * (no gather copy), and rotary embedding applied to q and k in place.
+ *
+ * Built at run time by cpu_kernels.py with the machine's C compiler (-O3 -march=native -fopenmp) and called
+ * through ctypes. AVX2 + FMA intrinsics; OpenMP over sequences (the process's one OpenMP runtime: torch's).
+ *
+ * Layouts: q [B, H, D] with rows `q_stride` floats apart (a view into the fused qkv projection), out [B, H, D]; k_cache and v_cache [num_blocks, block_size, KVH, D];
+ * block_tables int32 [B, table_width]; context_lens int32 [B]. Head h attends with KV head h / (H / KVH).
+ * One sequence at a time, every head at once, so each cache block (16 tokens of all KV heads, contiguous) is
+ * read front to back while a later block is prefetched. Softmax is online (running max and sum per head), in
+ * float32; a sequence with context_len 0 gets zeros.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+
+#define MAX_HEADS 128
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK_SIZE 64
+#define PREFETCH_BLOCKS_AHEAD 2
+
+int unigate_cpu_kernels_limits(int64_t *heads, int64_t *group, int64_t *head_dim, int64_t *block_size) {
+    *heads = MAX_HEADS;
+    *group = MAX_GROUP;
+    *head_dim = MAX_HEAD_DIM;
+    *block_size = MAX_BLOCK_SIZE;
+    return 1;
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 lo = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_max_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* exp(x) for x <= 0 (scores minus their running max): Cephes' single-precision polynomial on x = n ln2 + r,
+   relative error about 2e-7; inputs below -87 (weights under 1e-38) are clamped. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    const __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
+    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+}
+
+/* Online softmax over one block's n scores of a head: p = exp(s - new max) in place; returns the new max and
+   adds the block's sum to *sum after scaling the old one (and, via *alpha, the caller's accumulator). */
+static inline float block_softmax(float *p, int64_t n, float running_max, float *running_sum, float *alpha) {
+    int64_t t = 0;
+    __m256 vmax = _mm256_set1_ps(running_max);
+    for (; t + 8 <= n; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(p + t));
+    float new_max = hmax8(vmax);
+    for (; t < n; t++) new_max = p[t] > new_max ? p[t] : new_max;
+    const __m256 shift = _mm256_set1_ps(new_max);
+    __m256 vsum = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= n; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), shift));
+        _mm256_storeu_ps(p + t, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum8(vsum);
+    for (; t < n; t++) {
+        p[t] = expf(p[t] - new_max);
+        sum += p[t];
+    }
+    *alpha = expf(running_max - new_max);
+    *running_sum = *running_sum * *alpha + sum;
+    return new_max;
+}
+
+/* out[t] = q . k_t for the n keys of one block (rows `stride` floats apart), four keys at a time. */
+static inline void block_scores(const float *q, const float *k, int64_t stride, int64_t n, int64_t dim, float *out) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const float *k0 = k + t * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 8) {
+            const __m256 qd = _mm256_loadu_ps(q + d);
+            a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d), a0);
+            a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k1 + d), a1);
+            a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k2 + d), a2);
+            a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k3 + d), a3);
+        }
+        const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        _mm_storeu_ps(out + t, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+    }
+    for (; t < n; t++) {
+        const float *kt = k + t * stride;
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kt + d), a);
+        out[t] = hsum8(a);
+    }
+}
+
+static inline void prefetch(const float *p, int64_t num_floats) {
+    const char *c = (const char *)p;
+    for (int64_t offset = 0; offset < num_floats * 4; offset += 64) _mm_prefetch(c + offset, _MM_HINT_T0);
+}
+
+/* acc[g] += sum_t p[g][t] * v_t over the n values of one block, 32 lanes of the head dim at a time, so each V
+   row slice is loaded once for all `group` heads that share it. */
+static inline void block_values(float *acc, const float *p, int64_t p_stride, const float *v, int64_t stride,
+                                int64_t n, int64_t group, int64_t dim) {
+    for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+        const int64_t w = dim - d0 < 32 ? dim - d0 : 32;
+        for (int64_t g = 0; g < group; g++) {
+            float *a = acc + g * dim + d0;
+            const float *pg = p + g * p_stride;
+            __m256 c0 = _mm256_loadu_ps(a);
+            __m256 c1 = w > 8 ? _mm256_loadu_ps(a + 8) : _mm256_setzero_ps();
+            __m256 c2 = w > 16 ? _mm256_loadu_ps(a + 16) : _mm256_setzero_ps();
+            __m256 c3 = w > 24 ? _mm256_loadu_ps(a + 24) : _mm256_setzero_ps();
+            for (int64_t t = 0; t < n; t++) {
+                const float *vt = v + t * stride + d0;
+                const __m256 pt = _mm256_set1_ps(pg[t]);
+                c0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt), c0);
+                if (w > 8) c1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8), c1);
+                if (w > 16) c2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 16), c2);
+                if (w > 24) c3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 24), c3);
+            }
+            _mm256_storeu_ps(a, c0);
+            if (w > 8) _mm256_storeu_ps(a + 8, c1);
+            if (w > 16) _mm256_storeu_ps(a + 16, c2);
+            if (w > 24) _mm256_storeu_ps(a + 24, c3);
+        }
+    }
+}
+
+/* KV heads [kh_first, kh_last) of one sequence (q and out point at the sequence's first head). */
+static void decode_one(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
+                       int64_t context_len, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
+                       int64_t block_size, float scale, int64_t kh_first, int64_t kh_last) {
+    const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * dim;
+    const int64_t block_floats = block_size * token_stride;
+    const int64_t slice = (block_floats + num_kv_heads - 1) / num_kv_heads;
+    float qs[MAX_HEADS * MAX_HEAD_DIM], acc[MAX_HEADS * MAX_HEAD_DIM];
+    float p[MAX_GROUP * MAX_BLOCK_SIZE], running_max[MAX_HEADS], running_sum[MAX_HEADS];
+    for (int64_t i = kh_first * group * dim; i < kh_last * group * dim; i++) {
+        qs[i] = q[i] * scale;
+        acc[i] = 0.0f;
+    }
+    for (int64_t h = kh_first * group; h < kh_last * group; h++) {
+        running_max[h] = -INFINITY;
+        running_sum[h] = 0.0f;
+    }
+    for (int64_t start = 0; start < context_len; start += block_size) {
+        const int64_t n = context_len - start < block_size ? context_len - start : block_size;
+        const int64_t index = start / block_size;
+        const int64_t block = table[index];
+        const int64_t ahead =
+            start + PREFETCH_BLOCKS_AHEAD * block_size < context_len ? table[index + PREFETCH_BLOCKS_AHEAD] : -1;
+        for (int64_t kh = kh_first; kh < kh_last; kh++) {
+            if (ahead >= 0) { /* the later block's prefetch is spread over this block's KV heads */
+                const int64_t offset = kh * slice;
+                const int64_t len = block_floats - offset < slice ? block_floats - offset : slice;
+                if (len > 0) {
+                    prefetch(k_cache + ahead * block_floats + offset, len);
+                    prefetch(v_cache + ahead * block_floats + offset, len);
+                }
+            }
+            const float *kb = k_cache + block * block_floats + kh * dim;
+            const float *vb = v_cache + block * block_floats + kh * dim;
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t h = kh * group + g;
+                float *pg = p + g * block_size;
+                block_scores(qs + h * dim, kb, token_stride, n, dim, pg);
+                float alpha;
+                running_max[h] = block_softmax(pg, n, running_max[h], &running_sum[h], &alpha);
+                if (alpha != 1.0f) {
+                    float *a = acc + h * dim;
+                    for (int64_t d = 0; d < dim; d++) a[d] *= alpha;
+                }
+            }
+            block_values(acc + kh * group * dim, p, block_size, vb, token_stride, n, group, dim);
+        }
+    }
+    for (int64_t h = kh_first * group; h < kh_last * group; h++) {
+        const float inv = running_sum[h] > 0.0f ? 1.0f / running_sum[h] : 0.0f;
+        for (int64_t d = 0; d < dim; d++) out[h * dim + d] = acc[h * dim + d] * inv;
+    }
+}
+
+void unigate_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                              const int32_t *block_tables, const int32_t *context_lens, float *out, int64_t num_seqs,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                              int64_t table_width, float scale) {
+    /* Whole sequences per task when there are enough of them to keep every thread busy (each cache block is then
+       read front to back once); else one task per (sequence, KV head), so batch 1 uses every thread too. */
+    const int64_t split_heads = num_seqs < 2 * omp_get_max_threads() ? num_kv_heads : 1;
+    const int64_t heads_per_task = num_kv_heads / split_heads;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_seqs * split_heads; task++) {
+        const int64_t b = task / split_heads, kh_first = (task % split_heads) * heads_per_task;
+        decode_one(q + b * q_stride, k_cache, v_cache, block_tables + b * table_width, context_lens[b],
+                   out + b * num_heads * head_dim, num_heads, num_kv_heads, head_dim, block_size, scale, kh_first,
+                   kh_first + heads_per_task);
+    }
+}
+
+/* Rotary embedding in place, HF rotate_half style: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) over the two
+   halves of each head. q [T, num_heads, D] and k [T, num_kv_heads, D] with token rows q_stride / k_stride floats
+   apart (views into the fused qkv output); cos_sin [max_positions, D] holds cos then sin of each position. */
+static void rotate_heads(float *x, int64_t num_heads, int64_t dim, const float *cos, const float *sin) {
+    const int64_t half = dim / 2;
+    for (int64_t h = 0; h < num_heads; h++) {
+        float *x1 = x + h * dim, *x2 = x1 + half;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = x1[i], b = x2[i];
+            x1[i] = a * cos[i] - b * sin[i];
+            x2[i] = b * cos[i] + a * sin[i];
+        }
+    }
+}
+
+void unigate_rotary_f32(float *q, int64_t q_stride, float *k, int64_t k_stride, const int64_t *positions,
+                        const float *cos_sin, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim) {
+#pragma omp parallel for schedule(static) if (num_tokens * (num_heads + num_kv_heads) * head_dim > (1 << 16))
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *cos = cos_sin + positions[t] * head_dim, *sin = cos + head_dim / 2;
+        rotate_heads(q + t * q_stride, num_heads, head_dim, cos, sin);
+        rotate_heads(k + t * k_stride, num_kv_heads, head_dim, cos, sin);
+    }
+}

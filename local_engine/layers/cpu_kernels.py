@@ -1,0 +1,205 @@
+"""Native CPU kernels for the local engine (`cpu_kernels.c`), float32:
+
+- paged decode attention reading the KV cache blocks in place, where the torch path copies every sequence's
+  blocks out of the cache first (`torch_ops._gather`) and runs SDPA with a query length of one GQA group, which
+  the CPU kernels handle poorly;
+- rotary embedding on q and k in place, one pass instead of a dozen small torch ops per layer.
+
+The kernel is compiled on first use with the machine's C compiler (`$CC`, else `cc`; `-O3 -march=native
+-fopenmp`: AVX2 and FMA) into `$XDG_CACHE_HOME/unigate/kernels` (default `~/.cache/...`), keyed by the source,
+the compiler and the CPU, and loaded with ctypes. Its OpenMP runtime is torch's (same `libgomp.so.1`, already
+loaded), so it uses torch's threads and does not add its own. Where it cannot be built or does not apply
+(no compiler, not x86-64 with AVX2, dtypes other than float32, shapes past its limits) `paged_decode_attention`
+returns None and the caller uses the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["apply_rotary", "is_available", "load", "paged_decode_attention"]
+
+logger = logging.getLogger("unigate.engine")
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared")
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "unigate" / "kernels"
+
+
+def _cpu_signature() -> str:
+    """The CPU model and feature flags: `-march=native` code built on one CPU may not run on another."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))]
+    return "\n".join(wanted[:2])
+
+
+def _compiler() -> str:
+    return os.environ.get("CC", "cc")
+
+
+def _build(target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        command = [_compiler(), *FLAGS, str(SOURCE), "-o", str(built), "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr.strip()[-2000:] or f"{command[0]} exited with {result.returncode}")
+        built.replace(target)  # atomic: concurrent builders (test workers) never load a half-written library
+
+
+@dataclass(frozen=True)
+class Kernel:
+    decode: ctypes._CFuncPtr  # type: ignore[name-defined]
+    rotary: ctypes._CFuncPtr  # type: ignore[name-defined]
+    max_heads: int
+    max_group: int
+    max_head_dim: int
+    max_block_size: int
+
+
+@functools.cache
+def load() -> Kernel | None:
+    """The compiled kernel, built on first use; None (logged once) where it cannot be built."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256(
+            b"\0".join(s.encode() for s in (SOURCE.read_text(), version, " ".join(FLAGS), _cpu_signature()))
+        ).hexdigest()[:16]
+        target = _cache_dir() / f"cpu_kernels-{key}.so"
+        if not target.exists():
+            _build(target)
+        torch.get_num_threads()  # torch (and its OpenMP runtime) is loaded first: the kernel shares it
+        library = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("native CPU kernels unavailable, using the torch ops: %s", exc)
+        return None
+    decode = library.unigate_paged_decode_f32
+    decode.argtypes = [_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float]
+    decode.restype = None
+    rotary = library.unigate_rotary_f32
+    rotary.argtypes = [_P, _I, _P, _I, _P, _P, _I, _I, _I, _I]
+    rotary.restype = None
+    limits = [ctypes.c_int64() for _ in range(4)]
+    library.unigate_cpu_kernels_limits(*(ctypes.byref(x) for x in limits))
+    return Kernel(decode, rotary, *(x.value for x in limits))
+
+
+def is_available() -> bool:
+    return load() is not None
+
+
+def _applies(
+    kernel: Kernel,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> bool:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and block_tables.dtype == context_lens.dtype == torch.int32
+        and q.stride(2) == 1
+        and q.stride(1) == head_dim  # the heads of a token side by side; tokens may be apart (a qkv view)
+        and all(t.is_contiguous() for t in (k_cache, v_cache, block_tables, context_lens))
+        and num_heads <= kernel.max_heads
+        and num_heads // num_kv_heads <= kernel.max_group
+        and head_dim % 8 == 0
+        and head_dim <= kernel.max_head_dim
+        and block_size <= kernel.max_block_size
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """The signature of `torch_ops.paged_decode_attention`; None when the kernel is unavailable or the inputs
+    are outside what it handles (the caller then takes the torch path)."""
+    kernel = load()
+    if kernel is None or not _applies(kernel, q, k_cache, v_cache, block_tables, context_lens):
+        return None
+    num_seqs, num_heads, head_dim = q.shape
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype)
+    if num_seqs:
+        kernel.decode(
+            q.data_ptr(),
+            q.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            context_lens.data_ptr(),
+            out.data_ptr(),
+            num_seqs,
+            num_heads,
+            k_cache.shape[2],
+            head_dim,
+            k_cache.shape[1],
+            block_tables.shape[1],
+            scale,
+        )
+    return out
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
+    """`torch_ops.apply_rotary` in place; False (nothing done) when the kernel is unavailable or does not apply."""
+    kernel = load()
+    if kernel is None:
+        return False
+    num_tokens, num_heads, head_dim = q.shape
+    if not (
+        q.device.type == "cpu"
+        and q.dtype == k.dtype == cos_sin_cache.dtype == torch.float32
+        and positions.dtype == torch.int64
+        and positions.is_contiguous()
+        and cos_sin_cache.is_contiguous()
+        and cos_sin_cache.shape[1] == head_dim
+        and head_dim % 2 == 0
+        and q.stride(2) == k.stride(2) == 1
+        and q.stride(1) == k.stride(1) == head_dim
+    ):
+        return False
+    if num_tokens:
+        kernel.rotary(
+            q.data_ptr(),
+            q.stride(0),
+            k.data_ptr(),
+            k.stride(0),
+            positions.data_ptr(),
+            cos_sin_cache.data_ptr(),
+            num_tokens,
+            num_heads,
+            k.shape[1],
+            head_dim,
+        )
+    return True

@@ -1,0 +1,168 @@
+"""The native CPU kernels (decode attention, rotary) against the torch ops, their fallbacks, and the engine."""
+
+from __future__ import annotations
+
+import logging
+import platform
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from local_engine.layers import cpu_kernels, cpu_ops, torch_ops
+from local_engine.layers.backend import select_ops
+from local_engine.sampling_params import SamplingParams
+
+
+def _has_avx2() -> bool:
+    try:
+        return " avx2 " in f" {Path('/proc/cpuinfo').read_text()} ".replace("\n", " ")
+    except OSError:
+        return False
+
+
+CAN_BUILD = platform.machine() in ("x86_64", "AMD64") and shutil.which("cc") is not None and _has_avx2()
+needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="needs x86-64 with AVX2 and a C compiler")
+
+
+def paged_case(
+    generator: torch.Generator,
+    lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, ...]:
+    """q as a strided view of a fused qkv output, a shuffled paged cache, int32 tables and lengths."""
+    blocks = [-(-n // block_size) for n in lens]
+    num_blocks = sum(blocks) + 3
+    ids = torch.randperm(num_blocks, generator=generator)
+    tables = torch.zeros(len(lens), max(blocks, default=0) + 2, dtype=torch.int32)
+    start = 0
+    for seq, n in enumerate(blocks):
+        tables[seq, :n] = ids[start : start + n]
+        start += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    qkv = torch.randn(len(lens), (num_heads + 2 * num_kv_heads) * head_dim, generator=generator).to(dtype)
+    q = qkv[:, : num_heads * head_dim].reshape(len(lens), num_heads, head_dim)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@needs_kernel
+def test_the_kernels_build_on_this_machine() -> None:
+    assert cpu_kernels.is_available()
+    assert select_ops("torch", native_cpu=True) is cpu_ops
+    assert select_ops("torch", native_cpu=False) is torch_ops
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (8, 8, 64, 32), (16, 4, 128, 16), (32, 4, 128, 32), (16, 2, 64, 16), (8, 1, 128, 16)],
+)
+@pytest.mark.parametrize("lens", [[0, 1, 15, 16, 17, 100, 333, 64, 5], [1], [257], [40, 0]])
+def test_decode_attention_matches_the_torch_path(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, lens: list[int]
+) -> None:
+    generator = torch.Generator().manual_seed(sum(lens) + num_heads * head_dim + block_size)
+    q, k_cache, v_cache, tables, context = paged_case(generator, lens, num_heads, num_kv_heads, head_dim, block_size)
+    scale = head_dim**-0.5
+    got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, context, scale)
+    assert got is not None and got.shape == q.shape and not got.isnan().any()
+    expected = torch_ops.paged_decode_attention(q, k_cache, v_cache, tables, context, scale)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
+    assert not got[torch.tensor(lens) == 0].any()  # an empty context attends to nothing: zeros, not NaN
+
+
+@needs_kernel
+def test_attention_inputs_it_does_not_handle_fall_back_to_the_torch_path() -> None:
+    generator = torch.Generator().manual_seed(1)
+    cases = {
+        "bfloat16": paged_case(generator, [20, 3], 8, 2, 64, 16, torch.bfloat16),
+        "head_dim not a multiple of 8": paged_case(generator, [20, 3], 8, 2, 20, 16),
+        "block size over 64": paged_case(generator, [200, 3], 8, 2, 64, 128),
+    }
+    for name, (q, k_cache, v_cache, tables, context) in cases.items():
+        assert cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, context, 0.125) is None, name
+        got = cpu_ops.paged_decode_attention(q, k_cache, v_cache, tables, context, 0.125)
+        expected = torch_ops.paged_decode_attention(q, k_cache, v_cache, tables, context, 0.125)
+        assert torch.equal(got, expected), name
+
+
+@needs_kernel
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (32, 8, 128), (4, 4, 16)])
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_rotary_matches_the_torch_path(num_heads: int, num_kv_heads: int, head_dim: int, num_tokens: int) -> None:
+    generator = torch.Generator().manual_seed(num_tokens * head_dim + num_heads)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(1024, dtype=torch.float32), inv_freq)
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)
+    expected = qkv.clone()
+    views = []
+    for x in (qkv, expected):  # q and k as the model has them: strided views into the fused projection
+        q = x[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+        k = x[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+        views.append((q, k))
+    positions = torch.randint(0, 1024, (num_tokens,), generator=generator)
+    assert cpu_kernels.apply_rotary(*views[0], positions, cos_sin)
+    torch_ops.apply_rotary(*views[1], positions, cos_sin)
+    torch.testing.assert_close(qkv, expected, rtol=1e-6, atol=1e-6)  # v (the last third) untouched by either
+
+
+@needs_kernel
+def test_rotary_inputs_it_does_not_handle_fall_back_to_the_torch_path() -> None:
+    cos_sin = torch.randn(64, 16)
+    q, k = torch.randn(3, 4, 16, dtype=torch.bfloat16), torch.randn(3, 2, 16, dtype=torch.bfloat16)
+    positions = torch.tensor([0, 5, 63])
+    assert not cpu_kernels.apply_rotary(q, k, positions, cos_sin)
+    expected_q, expected_k = q.clone(), k.clone()
+    torch_ops.apply_rotary(expected_q, expected_k, positions, cos_sin)
+    cpu_ops.apply_rotary(q, k, positions, cos_sin)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+
+
+@pytest.fixture
+def fresh_kernel_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu_kernels.load.cache_clear()
+    yield tmp_path
+    cpu_kernels.load.cache_clear()  # later tests load the library built under the real cache directory
+
+
+def test_a_missing_compiler_means_the_torch_path(
+    fresh_kernel_cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", str(fresh_kernel_cache / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger="unigate.engine"):
+        assert cpu_kernels.load() is None
+    assert select_ops("torch", native_cpu=True) is torch_ops
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert "native CPU kernels unavailable" in caplog.text
+
+
+@needs_kernel
+def test_builds_once_into_the_cache_directory(fresh_kernel_cache: Path) -> None:
+    assert cpu_kernels.load() is not None
+    built = list((fresh_kernel_cache / "unigate" / "kernels").glob("cpu_kernels-*.so"))
+    assert len(built) == 1
+    cpu_kernels.load.cache_clear()
+    mtime = built[0].stat().st_mtime_ns
+    assert cpu_kernels.load() is not None and built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
+
+
+@needs_kernel
+def test_engine_greedy_tokens_are_the_same_with_and_without_the_kernels(family: Any) -> None:
+    model = family
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [list(range(3, 3 + n)) for n in (5, 37, 16, 90)]
+    native = model.engine()
+    plain = model.engine(cpu_kernels=False)
+    assert native.runner.ops_name == "cpu_ops" and plain.runner.ops_name == "torch_ops"
+    assert native.generate(prompts, params) == plain.generate(prompts, params)
