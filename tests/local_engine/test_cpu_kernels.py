@@ -164,5 +164,5 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_the_kernels(family: 
     prompts = [list(range(3, 3 + n)) for n in (5, 37, 16, 90)]
     native = model.engine()
     plain = model.engine(cpu_kernels=False)
-    assert native.runner.ops_name == "cpu_ops" and plain.runner.ops_name == "torch_ops"
+    assert native.stats()["ops"] == "cpu_ops" and plain.stats()["ops"] == "torch_ops"
     assert native.generate(prompts, params) == plain.generate(prompts, params)
