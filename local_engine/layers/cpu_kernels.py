@@ -5,12 +5,13 @@
   the CPU kernels handle poorly;
 - rotary embedding on q and k in place, one pass instead of a dozen small torch ops per layer.
 
-The kernel is compiled on first use with the machine's C compiler (`$CC`, else `cc`; `-O3 -march=native
--fopenmp`: AVX2 and FMA) into `$XDG_CACHE_HOME/unigate/kernels` (default `~/.cache/...`), keyed by the source,
-the compiler and the CPU, and loaded with ctypes. Its OpenMP runtime is torch's (same `libgomp.so.1`, already
-loaded), so it uses torch's threads and does not add its own. Where it cannot be built or does not apply
-(no compiler, not x86-64 with AVX2, dtypes other than float32, shapes past its limits) `paged_decode_attention`
-returns None and the caller uses the torch path.
+The kernels are compiled on first use with the machine's C compiler (`$CC`, else `cc`; `-O3 -march=native
+-fopenmp`: AVX2 and FMA intrinsics) into `$XDG_CACHE_HOME/unigate/kernels` (default `~/.cache/...`), keyed by the
+source, the compiler and the CPU, and loaded with ctypes (which releases the GIL during a call). Their OpenMP
+runtime is torch's (same `libgomp.so.1`, already loaded), so they use torch's threads and add none. Where they
+cannot be built (no compiler, not x86-64, no AVX2: the build fails and the reason is logged) or do not apply
+(dtypes other than float32, shapes past their limits), `paged_decode_attention` returns None and `apply_rotary`
+False, and the caller uses the torch ops.
 """
 
 from __future__ import annotations
