@@ -1,0 +1,40 @@
+"""The GPU benchmark and the CPU attention benchmark run end to end at tiny sizes (they are otherwise only run by
+hand, the GPU one on the rare machine that has a GPU): exit code 0 and every table they promise is printed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from local_engine.layers import cpu_kernels
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str) -> str:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env, check=False
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def test_gpu_engine_cpu_smoke_runs_every_section() -> None:
+    out = run("benchmarks/gpu_engine.py", "--cpu-smoke")
+    assert "## Kernel checks" in out and "| NO " not in out and "kernel checks passed" in out
+    assert "## Decode attention" in out and "% of copy bw" in out
+    assert "| tiny  | unigate     |" in out and "| tiny  | hf generate |" in out
+    assert "engine section skipped" not in out
+
+
+@pytest.mark.skipif(not cpu_kernels.is_available(), reason="the native CPU kernels do not build here")
+def test_cpu_attention_benchmark_runs() -> None:
+    out = run("benchmarks/cpu_attention.py", "--seqs", "3", "--layers", "2", "--min-len", "10", "--max-len", "60")
+    for variant in ("torch path, blocks shuffled", "C kernel, blocks shuffled", "hot", "C kernel, blocks in order"):
+        assert variant in out
+    assert "KV read per step" in out
