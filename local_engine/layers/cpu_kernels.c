@@ -116,8 +116,8 @@ static inline void prefetch(const float *p, int64_t num_floats) {
     for (int64_t offset = 0; offset < num_floats * 4; offset += 64) _mm_prefetch(c + offset, _MM_HINT_T0);
 }
 
-/* acc[g] += sum_t p[g][t] * v_t over the n values of one block, 32 lanes of the head dim at a time, so each V
-   row slice is loaded once for all `group` heads that share it. */
+/* acc[g] += sum_t p[g][t] * v_t over the n values of one block, for each of the `group` heads that share these
+   values: 32 lanes of the head dim at a time, the accumulators kept in registers across the block's tokens. */
 static inline void block_values(float *acc, const float *p, int64_t p_stride, const float *v, int64_t stride,
                                 int64_t n, int64_t group, int64_t dim) {
     for (int64_t d0 = 0; d0 < dim; d0 += 32) {
