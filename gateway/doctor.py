@@ -159,19 +159,27 @@ async def _check_models(
         )
         return None
     if response.status_code in (401, 403) and error_envelope(response.content)[0] != "admin_only":
-        what, fix = explain_error(
-            response.status_code, response.content, response.headers, api_key=key, model=diagnosis.model, models=[]
-        )
+        what, fix = _explain(response, key, diagnosis)
         diagnosis.add("API key", CheckStatus.FAIL, what, fix)
         return None
     if response.status_code == 200:
         _check_model_listed(diagnosis, response)
     else:
-        what, _ = explain_error(
-            response.status_code, response.content, response.headers, api_key=key, model=diagnosis.model, models=[]
-        )
+        what, _ = _explain(response, key, diagnosis)
         diagnosis.add("models", CheckStatus.WARN, f"GET /models failed: {what}")
     return working
+
+
+def _explain(response: httpx.Response, key: str, diagnosis: Diagnosis) -> tuple[str, str]:
+    """`explain_error` for a read error response, with this run's key, model and the models listed so far."""
+    return explain_error(
+        response.status_code,
+        response.content,
+        response.headers,
+        api_key=key,
+        model=diagnosis.model,
+        models=diagnosis.models,
+    )
 
 
 def _check_model_listed(diagnosis: Diagnosis, response: httpx.Response) -> None:
@@ -259,14 +267,7 @@ async def _check_chat(http: httpx.AsyncClient, diagnosis: Diagnosis, base: str, 
         return False
     elapsed_ms = (time.perf_counter() - started) * 1000
     if response.status_code != 200:
-        what, fix = explain_error(
-            response.status_code,
-            response.content,
-            response.headers,
-            api_key=key,
-            model=diagnosis.model,
-            models=diagnosis.models,
-        )
+        what, fix = _explain(response, key, diagnosis)
         diagnosis.add("chat completion", CheckStatus.FAIL, what, fix)
         return False
     return _check_completion_body(diagnosis, response, elapsed_ms)
@@ -286,15 +287,8 @@ async def _check_stream(http: httpx.AsyncClient, diagnosis: Diagnosis, base: str
             "POST", f"{base}/chat/completions", content=_chat_body(diagnosis.model, stream=True)
         ) as response:
             if response.status_code != 200:
-                body = await response.aread()
-                what, fix = explain_error(
-                    response.status_code,
-                    body,
-                    response.headers,
-                    api_key=key,
-                    model=diagnosis.model,
-                    models=diagnosis.models,
-                )
+                await response.aread()
+                what, fix = _explain(response, key, diagnosis)
                 diagnosis.add("streaming", CheckStatus.FAIL, what, fix)
                 return
             content_type = response.headers.get("content-type", "")
@@ -379,14 +373,7 @@ async def _check_other_surfaces(http: httpx.AsyncClient, diagnosis: Diagnosis, b
                 "tools that need it will not work against this base URL",
             )
         else:
-            what, _ = explain_error(
-                response.status_code,
-                response.content,
-                response.headers,
-                api_key=key,
-                model=diagnosis.model,
-                models=diagnosis.models,
-            )
+            what, _ = _explain(response, key, diagnosis)
             diagnosis.add(name, CheckStatus.WARN, what)
 
 
