@@ -345,9 +345,6 @@ class _EventBuilder(TextHoldingBuilder):
         self.open_tool_key: Any = None  # the chat tool-call `index` of the open tool_use block
         self.closed_tool_keys: set[Any] = set()
         self.has_tool_use = False
-        self.finish_reason: Any = None
-        self.matched_stop: Any = None
-        self.usage: Json | None = None
 
     def start(self) -> list[Event]:
         message: Json = {
@@ -361,24 +358,6 @@ class _EventBuilder(TextHoldingBuilder):
             "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
         }
         return [("message_start", {"type": "message_start", "message": message})]
-
-    def feed(self, chunk: Json) -> list[Event]:
-        if isinstance(chunk.get("usage"), dict):
-            self.usage = chunk["usage"]
-        events: list[Event] = []
-        for choice in chunk.get("choices") or []:
-            if choice.get("index", 0) != 0:
-                continue  # n > 1 has no Anthropic equivalent; the route never asks for it
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                events.extend(self._text(delta["content"]))
-            for call in delta.get("tool_calls") or []:
-                events.extend(self._tool_call(call))
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-            if choice.get("stop_reason") is not None:
-                self.matched_stop = choice["stop_reason"]
-        return events
 
     def finish(self) -> list[Event]:
         events = self._close_all()

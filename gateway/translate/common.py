@@ -30,17 +30,37 @@ class TextHoldingBuilder:
     """Base of the stream translators (chat chunks → Anthropic or Responses events), run by `translate_stream`.
 
     Their tool-call block (Anthropic) or item (Responses) cannot reopen: text that arrives while one is open waits
-    in `pending_text`, and becomes its own block when the call closes. Subclasses implement `start`, `feed`,
-    `fail`, `finish`, `_text` (which holds text while a call is open) and `_close` (the open block)."""
+    in `pending_text`, and becomes its own block when the call closes. `feed` reads choice 0 of each chat chunk
+    (n > 1 has no equivalent in either API) and records the usage, finish reason and matched stop; subclasses
+    implement `start`, `fail`, `finish`, `_text` (which holds text while a call is open), `_tool_call` and `_close`
+    (the open block)."""
 
     def __init__(self) -> None:
         self.pending_text = ""
+        self.usage: Json | None = None
+        self.finish_reason: Any = None
+        self.matched_stop: Any = None  # the stop string or token id that ended the choice, when the upstream says
 
     def start(self) -> list[Event]:
         raise NotImplementedError
 
     def feed(self, chunk: Json) -> list[Event]:
-        raise NotImplementedError
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        events: list[Event] = []
+        for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                events.extend(self._text(delta["content"]))
+            for call in delta.get("tool_calls") or []:
+                events.extend(self._tool_call(call))
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+            if choice.get("stop_reason") is not None:
+                self.matched_stop = choice["stop_reason"]
+        return events
 
     def fail(self, error: Exception) -> list[Event]:
         raise NotImplementedError
@@ -49,6 +69,9 @@ class TextHoldingBuilder:
         raise NotImplementedError
 
     def _text(self, text: str) -> list[Event]:
+        raise NotImplementedError
+
+    def _tool_call(self, call: Json) -> list[Event]:
         raise NotImplementedError
 
     def _close(self) -> list[Event]:

@@ -349,8 +349,6 @@ class _ResponseBuilder(TextHoldingBuilder):
         self.open_text = ""
         self.open_tool_key: Any = None
         self.closed_tool_keys: set[Any] = set()
-        self.finish_reason: Any = None
-        self.usage: Json | None = None
 
     def _event(self, name: str, **data: Any) -> Event:
         event = {"type": name, "sequence_number": self.num_events, **data}
@@ -365,22 +363,6 @@ class _ResponseBuilder(TextHoldingBuilder):
             self._event("response.created", response=self._response("in_progress")),
             self._event("response.in_progress", response=self._response("in_progress")),
         ]
-
-    def feed(self, chunk: Json) -> list[Event]:
-        if isinstance(chunk.get("usage"), dict):
-            self.usage = chunk["usage"]
-        events: list[Event] = []
-        for choice in chunk.get("choices") or []:
-            if choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                events.extend(self._text(delta["content"]))
-            for call in delta.get("tool_calls") or []:
-                events.extend(self._tool_call(call))
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-        return events
 
     def finish(self) -> list[Event]:
         events = self._close_all()
