@@ -87,11 +87,21 @@ static inline float block_softmax(float *p, int64_t n, float running_max, float 
     return new_max;
 }
 
-/* out[t] = q . k_t for the n keys of one block (rows `stride` floats apart), four keys at a time. */
-static inline void block_scores(const float *q, const float *k, int64_t stride, int64_t n, int64_t dim, float *out) {
+static inline void prefetch(const float *p, int64_t num_floats) {
+    const char *c = (const char *)p;
+    for (int64_t offset = 0; offset < num_floats * 4; offset += 64) _mm_prefetch(c + offset, _MM_HINT_T0);
+}
+
+/* out[t] = q . k_t for the n keys of one block (rows `stride` floats apart), four keys at a time. With `ahead`
+   (the same rows of a later block), each row read here prefetches its counterpart there: a steady stream of
+   prefetches alongside the arithmetic rather than a burst that stalls on the miss buffers. */
+static inline void block_scores(const float *q, const float *k, int64_t stride, int64_t n, int64_t dim, float *out,
+                                const float *ahead) {
     int64_t t = 0;
     for (; t + 4 <= n; t += 4) {
         const float *k0 = k + t * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
+        if (ahead)
+            for (int64_t r = t; r < t + 4; r++) prefetch(ahead + r * stride, dim);
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
         for (int64_t d = 0; d < dim; d += 8) {
             const __m256 qd = _mm256_loadu_ps(q + d);
@@ -111,15 +121,10 @@ static inline void block_scores(const float *q, const float *k, int64_t stride, 
     }
 }
 
-static inline void prefetch(const float *p, int64_t num_floats) {
-    const char *c = (const char *)p;
-    for (int64_t offset = 0; offset < num_floats * 4; offset += 64) _mm_prefetch(c + offset, _MM_HINT_T0);
-}
-
 /* acc[g] += sum_t p[g][t] * v_t over the n values of one block, for each of the `group` heads that share these
    values: 32 lanes of the head dim at a time, the accumulators kept in registers across the block's tokens. */
 static inline void block_values(float *acc, const float *p, int64_t p_stride, const float *v, int64_t stride,
-                                int64_t n, int64_t group, int64_t dim) {
+                                int64_t n, int64_t group, int64_t dim, const float *ahead) {
     for (int64_t d0 = 0; d0 < dim; d0 += 32) {
         const int64_t w = dim - d0 < 32 ? dim - d0 : 32;
         for (int64_t g = 0; g < group; g++) {
@@ -129,8 +134,10 @@ static inline void block_values(float *acc, const float *p, int64_t p_stride, co
             __m256 c1 = w > 8 ? _mm256_loadu_ps(a + 8) : _mm256_setzero_ps();
             __m256 c2 = w > 16 ? _mm256_loadu_ps(a + 16) : _mm256_setzero_ps();
             __m256 c3 = w > 24 ? _mm256_loadu_ps(a + 24) : _mm256_setzero_ps();
+            const int is_prefetching = ahead && d0 == 0 && g == 0;
             for (int64_t t = 0; t < n; t++) {
                 const float *vt = v + t * stride + d0;
+                if (is_prefetching) prefetch(ahead + t * stride, dim);
                 const __m256 pt = _mm256_set1_ps(pg[t]);
                 c0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt), c0);
                 if (w > 8) c1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8), c1);
@@ -151,7 +158,6 @@ static void decode_one(const float *q, const float *k_cache, const float *v_cach
                        int64_t block_size, float scale, int64_t kh_first, int64_t kh_last) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * dim;
     const int64_t block_floats = block_size * token_stride;
-    const int64_t slice = (block_floats + num_kv_heads - 1) / num_kv_heads;
     float qs[MAX_HEADS * MAX_HEAD_DIM], acc[MAX_HEADS * MAX_HEAD_DIM];
     float p[MAX_GROUP * MAX_BLOCK_SIZE], running_max[MAX_HEADS], running_sum[MAX_HEADS];
     for (int64_t i = kh_first * group * dim; i < kh_last * group * dim; i++) {
@@ -169,20 +175,14 @@ static void decode_one(const float *q, const float *k_cache, const float *v_cach
         const int64_t ahead =
             start + PREFETCH_BLOCKS_AHEAD * block_size < context_len ? table[index + PREFETCH_BLOCKS_AHEAD] : -1;
         for (int64_t kh = kh_first; kh < kh_last; kh++) {
-            if (ahead >= 0) { /* the later block's prefetch is spread over this block's KV heads */
-                const int64_t offset = kh * slice;
-                const int64_t len = block_floats - offset < slice ? block_floats - offset : slice;
-                if (len > 0) {
-                    prefetch(k_cache + ahead * block_floats + offset, len);
-                    prefetch(v_cache + ahead * block_floats + offset, len);
-                }
-            }
             const float *kb = k_cache + block * block_floats + kh * dim;
             const float *vb = v_cache + block * block_floats + kh * dim;
+            const float *k_ahead = ahead >= 0 ? k_cache + ahead * block_floats + kh * dim : 0;
+            const float *v_ahead = ahead >= 0 ? v_cache + ahead * block_floats + kh * dim : 0;
             for (int64_t g = 0; g < group; g++) {
                 const int64_t h = kh * group + g;
                 float *pg = p + g * block_size;
-                block_scores(qs + h * dim, kb, token_stride, n, dim, pg);
+                block_scores(qs + h * dim, kb, token_stride, n, dim, pg, g == 0 ? k_ahead : 0);
                 float alpha;
                 running_max[h] = block_softmax(pg, n, running_max[h], &running_sum[h], &alpha);
                 if (alpha != 1.0f) {
@@ -190,7 +190,7 @@ static void decode_one(const float *q, const float *k_cache, const float *v_cach
                     for (int64_t d = 0; d < dim; d++) a[d] *= alpha;
                 }
             }
-            block_values(acc + kh * group * dim, p, block_size, vb, token_stride, n, group, dim);
+            block_values(acc + kh * group * dim, p, block_size, vb, token_stride, n, group, dim, v_ahead);
         }
     }
     for (int64_t h = kh_first * group; h < kh_last * group; h++) {
