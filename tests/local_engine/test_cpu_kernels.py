@@ -166,3 +166,32 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_the_kernels(family: 
     plain = model.engine(cpu_kernels=False)
     assert native.stats()["ops"] == "cpu_ops" and plain.stats()["ops"] == "torch_ops"
     assert native.generate(prompts, params) == plain.generate(prompts, params)
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "unavailable"
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off here")
+def test_the_cpu_kv_cache_is_backed_by_huge_pages() -> None:
+    from local_engine.model_runner import advise_huge_pages
+
+    assert not advise_huge_pages(torch.empty(1024))  # no 2 MiB-aligned page inside: nothing to advise
+    cache = torch.empty(64 << 20, dtype=torch.uint8)
+    assert advise_huge_pages(cache)
+    cache.zero_()
+    start, end = cache.data_ptr(), cache.data_ptr() + cache.numel()
+    huge_kib = 0
+    current = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            low, high = (int(x, 16) for x in head.split("-"))
+            current = low < end and high > start
+        elif current and line.startswith("AnonHugePages:"):
+            huge_kib += int(line.split()[1])
+    assert huge_kib >= 32 << 10  # at least half of the 64 MiB landed in 2 MiB pages
