@@ -176,22 +176,28 @@ def _thp_mode() -> str:
     return text[text.index("[") + 1 : text.index("]")]
 
 
-@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off here")
-def test_the_cpu_kv_cache_is_backed_by_huge_pages() -> None:
+@pytest.mark.skipif(_thp_mode() == "unavailable", reason="no transparent huge pages in this kernel")
+def test_the_cpu_kv_cache_asks_for_huge_pages() -> None:
+    """The advice itself is checked (the `hg` flag on the mapping): whether the kernel then finds free 2 MiB pages
+    depends on the machine's memory at that moment."""
     from local_engine.model_runner import advise_huge_pages
 
     assert not advise_huge_pages(torch.empty(1024))  # no 2 MiB-aligned page inside: nothing to advise
     cache = torch.empty(64 << 20, dtype=torch.uint8)
-    assert advise_huge_pages(cache)
-    cache.zero_()
     start, end = cache.data_ptr(), cache.data_ptr() + cache.numel()
-    huge_kib = 0
-    current = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and all(c in "0123456789abcdef-" for c in head):
-            low, high = (int(x, 16) for x in head.split("-"))
-            current = low < end and high > start
-        elif current and line.startswith("AnonHugePages:"):
-            huge_kib += int(line.split()[1])
-    assert huge_kib >= 32 << 10  # at least half of the 64 MiB landed in 2 MiB pages
+
+    def advised_mappings() -> list[bool]:
+        flags: list[bool] = []
+        overlaps = False
+        for line in Path("/proc/self/smaps").read_text().splitlines():
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                low, high = (int(x, 16) for x in head.split("-"))
+                overlaps = low < end and high > start
+            elif overlaps and line.startswith("VmFlags:"):
+                flags.append("hg" in line.split()[1:])
+        return flags
+
+    assert advised_mappings() and not any(advised_mappings())
+    assert advise_huge_pages(cache)
+    assert any(advised_mappings())
