@@ -4,11 +4,12 @@
  * Built at run time by cpu_kernels.py with the machine's C compiler (-O3 -march=native -fopenmp) and called
  * through ctypes. AVX2 + FMA intrinsics; OpenMP over sequences (the process's one OpenMP runtime: torch's).
  *
- * Layouts: q [B, H, D] with rows `q_stride` floats apart (a view into the fused qkv projection), out [B, H, D]; k_cache and v_cache [num_blocks, block_size, KVH, D];
- * block_tables int32 [B, table_width]; context_lens int32 [B]. Head h attends with KV head h / (H / KVH).
- * One sequence at a time, every head at once, so each cache block (16 tokens of all KV heads, contiguous) is
- * read front to back while a later block is prefetched. Softmax is online (running max and sum per head), in
- * float32; a sequence with context_len 0 gets zeros.
+ * Layouts: q [B, H, D] with rows `q_stride` floats apart (a view into the fused qkv projection); out [B, H, D];
+ * k_cache and v_cache [num_blocks, block_size, KVH, D]; block_tables int32 [B, table_width]; context_lens int32
+ * [B]. Head h attends with KV head h / (H / KVH). One sequence at a time, every head at once, so each cache block
+ * (16 tokens of all KV heads, contiguous) is read front to back, each row read prefetching the same row of the
+ * block two ahead. Softmax is online (running max and sum per head), in float32; a sequence with context_len 0
+ * gets zeros.
  */
 #include <immintrin.h>
 #include <math.h>
