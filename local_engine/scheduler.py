@@ -129,14 +129,19 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(scheduled, budget)
         # Decodes first, longest context first (attention groups sequences of similar length), then prefills.
-        decode_seqs = [s for s, n in scheduled.items() if n == 1 and len(s.token_ids) - s.num_computed_tokens == 1]
+        decode_seqs: list[Sequence] = []
+        prefill_seqs: list[Sequence] = []
+        prefill_new: list[int] = []
+        for seq, n in scheduled.items():
+            if n == 1 and len(seq.token_ids) - seq.num_computed_tokens == 1:
+                decode_seqs.append(seq)
+            else:
+                prefill_seqs.append(seq)
+                prefill_new.append(n)
         decode_seqs.sort(key=lambda s: -len(s.token_ids))
-        prefill_items = [
-            (s, n) for s, n in scheduled.items() if not (n == 1 and len(s.token_ids) - s.num_computed_tokens == 1)
-        ]
         return ScheduledBatch(
-            seqs=decode_seqs + [s for s, _ in prefill_items],
-            num_new_tokens=[1] * len(decode_seqs) + [n for _, n in prefill_items],
+            seqs=decode_seqs + prefill_seqs,
+            num_new_tokens=[1] * len(decode_seqs) + prefill_new,
             num_decode_seqs=len(decode_seqs),
             preempted=preempted,
         )
