@@ -14,9 +14,10 @@ import torch
 
 from local_engine.config import EngineConfig, KVCapacity, ModelConfig
 from local_engine.cuda_graphs import DecodeGraphs, capture_sizes
+from local_engine.layers import cpu_kernels
 from local_engine.layers.attention import Attention, AttentionMetadata
 from local_engine.layers.backend import select_ops
-from local_engine.layers.linear import is_packing_available, pack_linears
+from local_engine.layers.linear import NATIVE_MAX_ROWS, PackedLinear, is_packing_available, pack_linears
 from local_engine.layers.rotary import build_cos_sin_cache
 from local_engine.models.llama import LlamaForCausalLM
 from local_engine.scheduler import ScheduledBatch
@@ -98,7 +99,10 @@ class ModelRunner:
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.num_packed_linears = 0
         if self.device.type == "cpu" and engine_config.pack_cpu_weights and is_packing_available():
-            self.num_packed_linears = pack_linears(self.model)  # same bytes in oneDNN's layout
+            # oneDNN's layout; with the native kernels, few-row calls (decode) read the row-major weight instead
+            native_rows = NATIVE_MAX_ROWS if native_cpu and cpu_kernels.is_available() else 0
+            self.num_packed_linears = pack_linears(self.model, native_rows)
+            self.weights_bytes += sum(m.extra_bytes for m in self.model.modules() if isinstance(m, PackedLinear))
         self.activations_peak_bytes: int | None = None  # measured by the profiling pass (GPU only)
         self.capacity = self._plan_kv_cache()
         self.kv_cache = self._allocate_kv_cache(self.capacity.num_blocks)

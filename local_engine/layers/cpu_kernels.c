@@ -1,5 +1,6 @@
 /* The local engine's native CPU kernels, float32: paged decode attention reading the KV cache blocks in place
- * (no gather copy), and rotary embedding applied to q and k in place.
+ * (no gather copy), rotary embedding applied to q and k in place, and projections for a few rows (decode
+ * batches) that stream the weight at memory speed.
  *
  * Built at run time by cpu_kernels.py with the machine's C compiler (-O3 -march=native -fopenmp) and called
  * through ctypes. AVX2 + FMA intrinsics; OpenMP over sequences (the process's one OpenMP runtime: torch's).
@@ -240,5 +241,98 @@ void unigate_rotary_f32(float *q, int64_t q_stride, float *k, int64_t k_stride, 
         const float *cos = cos_sin + positions[t] * head_dim, *sin = cos + head_dim / 2;
         rotate_heads(q + t * q_stride, num_heads, head_dim, cos, sin);
         rotate_heads(k + t * k_stride, num_kv_heads, head_dim, cos, sin);
+    }
+}
+
+/* y[M, N] = x[M, K] W[N, K]^T (+ bias) for small M (decode batches), W in torch's row-major layout.
+ *
+ * At a few rows a projection is a stream of its weight from memory; the GEMM libraries' small-M paths reach
+ * about half the machine's read bandwidth on cold weights. Here each thread takes a contiguous range of output
+ * features, three at a time (three weight rows, one L1-resident tile), and runs every row of x against them in
+ * tiles of up to four: 12 accumulators of 8 lanes along K. While a tile is computed, the next three weight rows
+ * are prefetched one line per step, spread evenly over the tile's K steps, so memory and arithmetic overlap.
+ * Each output is one float32 dot product along K (8 partial sums, then a horizontal add), like a BLAS kernel's.
+ */
+#define LINEAR_COLS 3
+#define LINEAR_ROWS 4
+
+static inline __attribute__((always_inline)) void linear_tile(const int rows, const float *x, int64_t ldx,
+                                                              const float *w, int64_t k_dim, float *y, int64_t ldy,
+                                                              const float *bias, const char **next, int64_t *left,
+                                                              int64_t lines_per_step) {
+    __m256 acc[LINEAR_ROWS][LINEAR_COLS];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < LINEAR_COLS; j++) acc[r][j] = _mm256_setzero_ps();
+    const float *w0 = w, *w1 = w + k_dim, *w2 = w + 2 * k_dim;
+    const char *p = *next;
+    int64_t remaining = *left, k = 0;
+    for (; k + 8 <= k_dim; k += 8) {
+        for (int64_t i = 0; i < lines_per_step && remaining > 0; i++, remaining--, p += 64)
+            _mm_prefetch(p, _MM_HINT_T0);
+        const __m256 b0 = _mm256_loadu_ps(w0 + k), b1 = _mm256_loadu_ps(w1 + k), b2 = _mm256_loadu_ps(w2 + k);
+        for (int r = 0; r < rows; r++) {
+            const __m256 a = _mm256_loadu_ps(x + r * ldx + k);
+            acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+            acc[r][2] = _mm256_fmadd_ps(a, b2, acc[r][2]);
+        }
+    }
+    *next = p;
+    *left = remaining;
+    for (int r = 0; r < rows; r++) {
+        const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][2]));
+        float out[4];
+        _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+        for (int64_t kk = k; kk < k_dim; kk++) {
+            const float a = x[r * ldx + kk];
+            out[0] += a * w0[kk];
+            out[1] += a * w1[kk];
+            out[2] += a * w2[kk];
+        }
+        for (int j = 0; j < LINEAR_COLS; j++) y[r * ldy + j] = bias ? out[j] + bias[j] : out[j];
+    }
+}
+
+/* Output features past the last multiple of three, one dot product per row. */
+static void linear_column(const float *x, int64_t ldx, int64_t m, const float *w, int64_t k_dim, float *y,
+                          int64_t ldy, const float *bias) {
+    for (int64_t r = 0; r < m; r++) {
+        __m256 a = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 8 <= k_dim; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + k), _mm256_loadu_ps(w + k), a);
+        float s = hsum8(a);
+        for (; k < k_dim; k++) s += x[r * ldx + k] * w[k];
+        y[r * ldy] = bias ? s + bias[0] : s;
+    }
+}
+
+void unigate_linear_f32(const float *x, int64_t ldx, int64_t m, const float *w, int64_t n, int64_t k_dim,
+                        const float *bias, float *y) {
+    const int64_t groups = n / LINEAR_COLS;
+    const int64_t steps = (m + LINEAR_ROWS - 1) / LINEAR_ROWS * (k_dim / 8);
+    const int64_t group_lines = (LINEAR_COLS * k_dim * 4 + 63) / 64;
+    const int64_t lines_per_step = steps ? (group_lines + steps - 1) / steps : 0;
+#pragma omp parallel
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t first = groups * t / threads, last = groups * (t + 1) / threads;
+        for (int64_t g = first; g < last; g++) {
+            const float *wg = w + g * LINEAR_COLS * k_dim, *bg = bias ? bias + g * LINEAR_COLS : 0;
+            float *yg = y + g * LINEAR_COLS;
+            const char *next = (const char *)(wg + LINEAR_COLS * k_dim);  /* the next group's weight rows */
+            int64_t left = g + 1 < last ? group_lines : 0;
+            int64_t r = 0;
+            for (; r + LINEAR_ROWS <= m; r += LINEAR_ROWS)
+                linear_tile(LINEAR_ROWS, x + r * ldx, ldx, wg, k_dim, yg + r * n, n, bg, &next, &left, lines_per_step);
+            switch (m - r) {
+            case 3: linear_tile(3, x + r * ldx, ldx, wg, k_dim, yg + r * n, n, bg, &next, &left, lines_per_step); break;
+            case 2: linear_tile(2, x + r * ldx, ldx, wg, k_dim, yg + r * n, n, bg, &next, &left, lines_per_step); break;
+            case 1: linear_tile(1, x + r * ldx, ldx, wg, k_dim, yg + r * n, n, bg, &next, &left, lines_per_step); break;
+            default: break;
+            }
+        }
+        if (t == threads - 1)
+            for (int64_t c = groups * LINEAR_COLS; c < n; c++)
+                linear_column(x, ldx, m, w + c * k_dim, k_dim, y + c, n, bias ? bias + c : 0);
     }
 }

@@ -3,15 +3,18 @@
 - paged decode attention reading the KV cache blocks in place, where the torch path copies every sequence's
   blocks out of the cache first (`torch_ops._gather`) and runs SDPA with a query length of one GQA group, which
   the CPU kernels handle poorly;
-- rotary embedding on q and k in place, one pass instead of a dozen small torch ops per layer.
+- rotary embedding on q and k in place, one pass instead of a dozen small torch ops per layer;
+- projections of a few rows (decode batches): a stream of the weight at memory speed, where oneDNN's and MKL's
+  small-M paths reach about half the read bandwidth on cold weights (`layers/linear.py` calls it up to
+  `linear.NATIVE_MAX_ROWS` rows).
 
 The kernels are compiled on first use with the machine's C compiler (`$CC`, else `cc`; `-O3 -march=native
 -fopenmp`: AVX2 and FMA intrinsics) into `$XDG_CACHE_HOME/unigate/kernels` (default `~/.cache/...`), keyed by the
 source, the compiler and the CPU, and loaded with ctypes (which releases the GIL during a call). Their OpenMP
 runtime is torch's (same `libgomp.so.1`, already loaded), so they use torch's threads and add none. Where they
 cannot be built (no compiler, not x86-64, no AVX2: the build fails and the reason is logged) or do not apply
-(dtypes other than float32, shapes past their limits), `paged_decode_attention` returns None and `apply_rotary`
-False, and the caller uses the torch ops.
+(dtypes other than float32, shapes past their limits), `paged_decode_attention` and `linear` return None and
+`apply_rotary` False, and the caller uses the torch ops.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["apply_rotary", "is_available", "load", "paged_decode_attention"]
+__all__ = ["apply_rotary", "is_available", "linear", "load", "paged_decode_attention"]
 
 logger = logging.getLogger("unigate.engine")
 
@@ -73,6 +76,7 @@ def _build(target: Path) -> None:
 class Kernel:
     decode: ctypes._CFuncPtr  # type: ignore[name-defined]
     rotary: ctypes._CFuncPtr  # type: ignore[name-defined]
+    linear: ctypes._CFuncPtr  # type: ignore[name-defined]
     max_heads: int
     max_group: int
     max_head_dim: int
@@ -103,9 +107,12 @@ def load() -> Kernel | None:
     rotary = library.unigate_rotary_f32
     rotary.argtypes = [_P, _I, _P, _I, _P, _P, _I, _I, _I, _I]
     rotary.restype = None
+    linear = library.unigate_linear_f32
+    linear.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P]
+    linear.restype = None
     limits = [ctypes.c_int64() for _ in range(4)]
     library.unigate_cpu_kernels_limits(*(ctypes.byref(x) for x in limits))
-    return Kernel(decode, rotary, *(x.value for x in limits))
+    return Kernel(decode, rotary, linear, *(x.value for x in limits))
 
 
 def is_available() -> bool:
@@ -204,3 +211,34 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
             head_dim,
         )
     return True
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """`F.linear(x, weight, bias)` for x [M, K] (rows may be apart: a slice of a fused projection) and weight
+    [N, K] contiguous, float32 on CPU; None when the kernel is unavailable or does not apply."""
+    kernel = load()
+    if (
+        kernel is None
+        or x.dim() != 2
+        or x.device.type != "cpu"
+        or not x.dtype == weight.dtype == torch.float32
+        or x.stride(1) != 1
+        or not weight.is_contiguous()
+        or x.shape[1] != weight.shape[1]
+        or (bias is not None and not (bias.dtype == torch.float32 and bias.is_contiguous()))
+    ):
+        return None
+    num_rows, num_out = x.shape[0], weight.shape[0]
+    out = torch.empty((num_rows, num_out), dtype=torch.float32)
+    if num_rows and num_out:
+        kernel.linear(
+            x.data_ptr(),
+            x.stride(0),
+            num_rows,
+            weight.data_ptr(),
+            num_out,
+            weight.shape[1],
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+        )
+    return out

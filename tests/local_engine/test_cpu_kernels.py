@@ -1,4 +1,5 @@
-"""The native CPU kernels (decode attention, rotary) against the torch ops, their fallbacks, and the engine."""
+"""The native CPU kernels (decode attention, rotary, few-row projections) against the torch ops, their fallbacks,
+and the engine."""
 
 from __future__ import annotations
 
@@ -126,6 +127,34 @@ def test_rotary_inputs_it_does_not_handle_fall_back_to_the_torch_path() -> None:
     torch_ops.apply_rotary(expected_q, expected_k, positions, cos_sin)
     cpu_ops.apply_rotary(q, k, positions, cos_sin)
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 7, 24])
+@pytest.mark.parametrize(("num_out", "num_in"), [(1, 8), (2, 7), (3, 9), (4, 96), (7, 100), (160, 96), (96, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_f_linear(num_rows: int, num_out: int, num_in: int, bias: bool) -> None:
+    generator = torch.Generator().manual_seed(num_rows * 1000 + num_out * 10 + num_in)
+    weight = torch.randn(num_out, num_in, generator=generator)
+    b = torch.randn(num_out, generator=generator) if bias else None
+    fused = torch.randn(num_rows, 3 * num_in, generator=generator)
+    for x in (fused[:, :num_in].contiguous(), fused[:, num_in : 2 * num_in]):  # also rows apart, as in the model
+        got = cpu_kernels.linear(x, weight, b)
+        assert got is not None and got.shape == (num_rows, num_out) and got.is_contiguous()
+        exact = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+        # float32 dot products of num_in terms of size ~1: rounding grows like sqrt(num_in), as F.linear's does
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-6 * num_in**0.5 * 8)
+
+
+@needs_kernel
+def test_linear_inputs_it_does_not_handle_return_none() -> None:
+    weight, x = torch.randn(16, 32), torch.randn(4, 32)
+    assert cpu_kernels.linear(x, weight, None) is not None
+    assert cpu_kernels.linear(x.bfloat16(), weight.bfloat16(), None) is None
+    assert cpu_kernels.linear(torch.randn(32, 4).t(), weight, None) is None  # columns apart
+    assert cpu_kernels.linear(x, torch.randn(32, 16).t(), None) is None  # a transposed weight
+    assert cpu_kernels.linear(x.view(2, 2, 32), weight, None) is None
+    assert cpu_kernels.linear(torch.empty(0, 32), weight, None).shape == (0, 16)  # type: ignore[union-attr]
 
 
 @pytest.fixture
