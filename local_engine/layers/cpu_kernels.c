@@ -1,6 +1,7 @@
 /* The local engine's native CPU kernels, float32: paged decode attention reading the KV cache blocks in place
- * (no gather copy), rotary embedding applied to q and k in place, and projections for a few rows (decode
- * batches) that stream the weight at memory speed.
+ * (no gather copy), rotary embedding applied to q and k in place, projections for a few rows (decode batches)
+ * that stream the weight at memory speed, and the step's small ops in one pass each (RMSNorm with its residual
+ * add, silu-and-mul, the KV cache write).
  *
  * Built at run time by cpu_kernels.py with the machine's C compiler (-O3 -march=native -fopenmp) and called
  * through ctypes. AVX2 + FMA intrinsics; OpenMP over sequences (the process's one OpenMP runtime: torch's).
@@ -16,6 +17,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
 
 #define MAX_HEADS 128
 #define MAX_GROUP 16
@@ -334,5 +336,71 @@ void unigate_linear_f32(const float *x, int64_t ldx, int64_t m, const float *w, 
         if (t == threads - 1)
             for (int64_t c = groups * LINEAR_COLS; c < n; c++)
                 linear_column(x, ldx, m, w + c * k_dim, k_dim, y + c, n, bias ? bias + c : 0);
+    }
+}
+
+/* RMSNorm over rows of `dim` floats, HF's math in float32: out = x * rsqrt(mean(x^2) + eps) * weight. With
+ * `residual`, x + residual is normalised and also written back to `residual` (the running sum between layers);
+ * `out` may be `x` (in place). Rows are `x_stride` / `out_stride` floats apart (residual rows are contiguous).
+ * The sum of squares runs in 8 lanes, then a horizontal add. */
+void unigate_rms_norm_f32(float *x, int64_t x_stride, float *residual, const float *weight, float *out,
+                          int64_t out_stride, int64_t num_rows, int64_t dim, float eps) {
+#pragma omp parallel for schedule(static) if (num_rows * dim > (1 << 15))
+    for (int64_t row = 0; row < num_rows; row++) {
+        float *xr = x + row * x_stride, *o = out + row * out_stride;
+        float *res = residual ? residual + row * dim : 0;
+        __m256 squares = _mm256_setzero_ps();
+        int64_t d = 0;
+        for (; d + 8 <= dim; d += 8) {
+            __m256 v = _mm256_loadu_ps(xr + d);
+            if (res) {
+                v = _mm256_add_ps(v, _mm256_loadu_ps(res + d));
+                _mm256_storeu_ps(res + d, v);
+            }
+            squares = _mm256_fmadd_ps(v, v, squares);
+        }
+        float sum = hsum8(squares);
+        for (; d < dim; d++) {
+            const float v = res ? (res[d] += xr[d]) : xr[d];
+            sum += v * v;
+        }
+        const float *src = res ? res : xr;
+        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        const __m256 vinv = _mm256_set1_ps(inv);
+        for (d = 0; d + 8 <= dim; d += 8)
+            _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(weight + d), _mm256_mul_ps(_mm256_loadu_ps(src + d), vinv)));
+        for (; d < dim; d++) o[d] = weight[d] * (src[d] * inv);
+    }
+}
+
+/* silu(gate) * up over the two halves of each row of x [T, 2 * inter] (the fused gate/up projection), written
+ * over the gate half: silu(g) = g / (1 + exp(-g)), exp by the same polynomial as the softmax (inputs clamped
+ * to [-87, 88], where float32 exp neither underflows nor overflows). */
+void unigate_silu_and_mul_f32(float *x, int64_t x_stride, int64_t num_rows, int64_t inter) {
+#pragma omp parallel for schedule(static) if (num_rows * inter > (1 << 15))
+    for (int64_t row = 0; row < num_rows; row++) {
+        float *gate = x + row * x_stride;
+        const float *up = gate + inter;
+        int64_t i = 0;
+        for (; i + 8 <= inter; i += 8) {
+            const __m256 g = _mm256_loadu_ps(gate + i);
+            const __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(88.0f)));
+            const __m256 s = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(gate + i, _mm256_mul_ps(s, _mm256_loadu_ps(up + i)));
+        }
+        for (; i < inter; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
+
+/* k, v [T, KVH * D] rows (token rows `k_stride` / `v_stride` floats apart: views into the fused qkv output)
+ * into their cache slots [num_slots, KVH * D]; slot -1 skips the token. */
+void unigate_store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_cache,
+                          float *v_cache, const int64_t *slots, int64_t num_tokens, int64_t row) {
+#pragma omp parallel for schedule(static) if (num_tokens * row > (1 << 16))
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        memcpy(k_cache + slot * row, k + t * k_stride, row * sizeof(float));
+        memcpy(v_cache + slot * row, v + t * v_stride, row * sizeof(float));
     }
 }

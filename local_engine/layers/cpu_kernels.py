@@ -6,15 +6,17 @@
 - rotary embedding on q and k in place, one pass instead of a dozen small torch ops per layer;
 - projections of a few rows (decode batches): a stream of the weight at memory speed, where oneDNN's and MKL's
   small-M paths reach about half the read bandwidth on cold weights (`layers/linear.py` calls it up to
-  `linear.NATIVE_MAX_ROWS` rows).
+  `linear.NATIVE_MAX_ROWS` rows);
+- RMSNorm with its residual add, silu-and-mul and the KV cache write, one pass over the data each, where the
+  torch ops take several (and a fresh tensor per step) for each.
 
 The kernels are compiled on first use with the machine's C compiler (`$CC`, else `cc`; `-O3 -march=native
 -fopenmp`: AVX2 and FMA intrinsics) into `$XDG_CACHE_HOME/unigate/kernels` (default `~/.cache/...`), keyed by the
 source, the compiler and the CPU, and loaded with ctypes (which releases the GIL during a call). Their OpenMP
 runtime is torch's (same `libgomp.so.1`, already loaded), so they use torch's threads and add none. Where they
 cannot be built (no compiler, not x86-64, no AVX2: the build fails and the reason is logged) or do not apply
-(dtypes other than float32, shapes past their limits), `paged_decode_attention` and `linear` return None and
-`apply_rotary` False, and the caller uses the torch ops.
+(dtypes other than float32, shapes past their limits), the functions return None (or False for the in-place
+ones) and the caller uses the torch ops.
 """
 
 from __future__ import annotations
@@ -32,7 +34,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["apply_rotary", "is_available", "linear", "load", "paged_decode_attention"]
+__all__ = [
+    "apply_rotary",
+    "is_available",
+    "linear",
+    "load",
+    "paged_decode_attention",
+    "rms_norm",
+    "silu_and_mul",
+    "store_kv",
+]
 
 logger = logging.getLogger("unigate.engine")
 
@@ -77,6 +88,9 @@ class Kernel:
     decode: ctypes._CFuncPtr  # type: ignore[name-defined]
     rotary: ctypes._CFuncPtr  # type: ignore[name-defined]
     linear: ctypes._CFuncPtr  # type: ignore[name-defined]
+    rms_norm: ctypes._CFuncPtr  # type: ignore[name-defined]
+    silu_and_mul: ctypes._CFuncPtr  # type: ignore[name-defined]
+    store_kv: ctypes._CFuncPtr  # type: ignore[name-defined]
     max_heads: int
     max_group: int
     max_head_dim: int
@@ -110,9 +124,18 @@ def load() -> Kernel | None:
     linear = library.unigate_linear_f32
     linear.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P]
     linear.restype = None
+    rms_norm = library.unigate_rms_norm_f32
+    rms_norm.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_float]
+    rms_norm.restype = None
+    silu_and_mul = library.unigate_silu_and_mul_f32
+    silu_and_mul.argtypes = [_P, _I, _I, _I]
+    silu_and_mul.restype = None
+    store_kv = library.unigate_store_kv_f32
+    store_kv.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I]
+    store_kv.restype = None
     limits = [ctypes.c_int64() for _ in range(4)]
     library.unigate_cpu_kernels_limits(*(ctypes.byref(x) for x in limits))
-    return Kernel(decode, rotary, linear, *(x.value for x in limits))
+    return Kernel(decode, rotary, linear, rms_norm, silu_and_mul, store_kv, *(x.value for x in limits))
 
 
 def is_available() -> bool:
@@ -213,20 +236,24 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     return True
 
 
+def _rows_and_vector(x: torch.Tensor, weight: torch.Tensor, extra: torch.Tensor | None) -> bool:
+    """The inputs the row kernels (`linear`, `rms_norm`) take: float32 rows on CPU with unit column stride (rows
+    may be apart), a contiguous float32 weight, and an optional contiguous float32 bias or residual."""
+    return (
+        x.dim() == 2
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and x.stride(1) == 1
+        and weight.is_contiguous()
+        and (extra is None or (extra.dtype == torch.float32 and extra.is_contiguous()))
+    )
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """`F.linear(x, weight, bias)` for x [M, K] (rows may be apart: a slice of a fused projection) and weight
     [N, K] contiguous, float32 on CPU; None when the kernel is unavailable or does not apply."""
     kernel = load()
-    if (
-        kernel is None
-        or x.dim() != 2
-        or x.device.type != "cpu"
-        or not x.dtype == weight.dtype == torch.float32
-        or x.stride(1) != 1
-        or not weight.is_contiguous()
-        or x.shape[1] != weight.shape[1]
-        or (bias is not None and not (bias.dtype == torch.float32 and bias.is_contiguous()))
-    ):
+    if kernel is None or not _rows_and_vector(x, weight, bias) or x.shape[1] != weight.shape[1]:
         return None
     num_rows, num_out = x.shape[0], weight.shape[0]
     out = torch.empty((num_rows, num_out), dtype=torch.float32)
@@ -242,3 +269,80 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
             out.data_ptr(),
         )
     return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """`torch_ops.rms_norm` in one pass per row (the residual add included); None when the kernel is unavailable or
+    does not apply. With `residual`, the sum is written into `residual` and the result into `x` (the model passes
+    a fresh projection output and its running sum, neither used again); without, into a new tensor."""
+    kernel = load()
+    if (
+        kernel is None
+        or not _rows_and_vector(x, weight, residual)
+        or weight.shape != (x.shape[1],)
+        or (residual is not None and residual.shape != x.shape)
+    ):
+        return None
+    out = x if residual is not None else torch.empty(x.shape, dtype=torch.float32)
+    if x.numel():
+        kernel.rms_norm(
+            x.data_ptr(),
+            x.stride(0),
+            None if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+            x.shape[0],
+            x.shape[1],
+            eps,
+        )
+    return out, residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """`torch_ops.silu_and_mul` (in place in the gate half of `x`, which it returns); None when the kernel is
+    unavailable or does not apply."""
+    kernel = load()
+    if kernel is None or x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or x.shape[1] % 2:
+        return None
+    inter = x.shape[1] // 2
+    if x.numel():
+        kernel.silu_and_mul(x.data_ptr(), x.stride(0), x.shape[0], inter)
+    return x[:, :inter]
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool:
+    """`torch_ops.store_kv`; False (nothing done) when the kernel is unavailable or does not apply."""
+    kernel = load()
+    if kernel is None:
+        return False
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if not (
+        k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and k.device.type == "cpu"
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and k.stride(2) == v.stride(2) == 1
+        and k.stride(1) == v.stride(1) == head_dim
+        and k_cache.shape[2:] == v_cache.shape[2:] == (num_kv_heads, head_dim)
+    ):
+        return False
+    if num_tokens:
+        kernel.store_kv(
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slot_mapping.data_ptr(),
+            num_tokens,
+            num_kv_heads * head_dim,
+        )
+    return True

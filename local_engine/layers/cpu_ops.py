@@ -1,5 +1,5 @@
-"""The torch ops, with decode attention and rotary through the native CPU kernels (`cpu_kernels`) wherever
-they apply.
+"""The torch ops, with decode attention, rotary, RMSNorm, silu-and-mul and the KV cache write through the native
+CPU kernels (`cpu_kernels`) wherever they apply (prefill attention stays on torch's flash SDPA).
 
 Chosen by `select_ops` for the torch backend on CPU when `cpu_kernels` is on (the default) and the kernels
 build; any call they do not handle (another dtype, shapes past their limits) takes the torch path.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from local_engine.layers import cpu_kernels, torch_ops
-from local_engine.layers.torch_ops import paged_prefill_attention, rms_norm, silu_and_mul, store_kv
+from local_engine.layers.torch_ops import paged_prefill_attention
 
 __all__ = [
     "apply_rotary",
@@ -41,3 +41,26 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     """`torch_ops.apply_rotary` (in place), in one native pass when the kernel applies."""
     if not cpu_kernels.apply_rotary(q, k, positions, cos_sin_cache):
         torch_ops.apply_rotary(q, k, positions, cos_sin_cache)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """`torch_ops.store_kv`, one copy per token row when the kernel applies."""
+    if not cpu_kernels.store_kv(k, v, k_cache, v_cache, slot_mapping):
+        torch_ops.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`torch_ops.rms_norm`, in one pass per row when the kernel applies. With `residual`, `x` and `residual`
+    are overwritten (the model passes a fresh projection output and its running sum, neither used again)."""
+    out = cpu_kernels.rms_norm(x, weight, eps, residual)
+    return torch_ops.rms_norm(x, weight, eps, residual) if out is None else out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`torch_ops.silu_and_mul` (in place in the gate half of `x`), in one pass when the kernel applies."""
+    out = cpu_kernels.silu_and_mul(x)
+    return torch_ops.silu_and_mul(x) if out is None else out

@@ -1,5 +1,5 @@
-"""The native CPU kernels (decode attention, rotary, few-row projections) against the torch ops, their fallbacks,
-and the engine."""
+"""The native CPU kernels (decode attention, rotary, few-row projections, RMSNorm, silu-and-mul, the KV cache
+write) against the torch ops, their fallbacks, and the engine."""
 
 from __future__ import annotations
 
@@ -155,6 +155,75 @@ def test_linear_inputs_it_does_not_handle_return_none() -> None:
     assert cpu_kernels.linear(x, torch.randn(32, 16).t(), None) is None  # a transposed weight
     assert cpu_kernels.linear(x.view(2, 2, 32), weight, None) is None
     assert cpu_kernels.linear(torch.empty(0, 32), weight, None).shape == (0, 16)  # type: ignore[union-attr]
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_rows", [1, 5, 300])
+@pytest.mark.parametrize("dim", [20, 64, 576])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_torch_path(num_rows: int, dim: int, with_residual: bool) -> None:
+    generator = torch.Generator().manual_seed(num_rows * dim)
+    wide = torch.randn(num_rows, dim + 8, generator=generator) * 3
+    weight = torch.randn(dim, generator=generator)
+    residual = torch.randn(num_rows, dim, generator=generator) if with_residual else None
+    for x in (wide[:, :dim].contiguous(), wide[:, 8:]):  # also rows apart (a qk-norm head view)
+        expected, expected_residual = torch_ops.rms_norm(
+            x.clone(), weight, 1e-6, None if residual is None else residual.clone()
+        )
+        got = cpu_kernels.rms_norm(x.clone(), weight, 1e-6, None if residual is None else residual.clone())
+        assert got is not None
+        torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-5)
+        if residual is None:
+            assert got[1] is None
+        else:
+            assert got[1] is not None
+            torch.testing.assert_close(got[1], expected_residual, rtol=0, atol=0)  # the same float32 sums
+
+
+@needs_kernel
+@pytest.mark.parametrize(("num_rows", "inter"), [(1, 8), (3, 13), (64, 1536)])
+def test_silu_and_mul_matches_the_torch_path(num_rows: int, inter: int) -> None:
+    generator = torch.Generator().manual_seed(num_rows + inter)
+    x = torch.randn(num_rows, 2 * inter, generator=generator) * 8
+    x[0, :4] = torch.tensor([-150.0, -88.5, 87.5, 150.0])[: min(4, inter)]  # where exp over/underflows
+    expected = torch_ops.silu_and_mul(x.clone())
+    gate = x.clone()
+    got = cpu_kernels.silu_and_mul(gate)
+    assert got is not None and got.data_ptr() == gate.data_ptr()  # in place in the gate half
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@needs_kernel
+def test_store_kv_matches_the_torch_path() -> None:
+    generator = torch.Generator().manual_seed(5)
+    num_tokens, num_heads, num_kv_heads, head_dim = 7, 6, 2, 16
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)  # views into qkv, as stored
+    v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.tensor([3, 17, -1, 0, 40, 41, 63])  # -1: skipped
+    caches = [torch.randn(4, 16, num_kv_heads, head_dim, generator=generator) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    assert cpu_kernels.store_kv(k, v, *caches, slots)
+    torch_ops.store_kv(k, v, *expected, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+@needs_kernel
+def test_small_op_inputs_they_do_not_handle_fall_back_to_the_torch_path() -> None:
+    x, weight = torch.randn(3, 32, dtype=torch.bfloat16), torch.ones(32, dtype=torch.bfloat16)
+    assert cpu_kernels.rms_norm(x, weight, 1e-6) is None
+    torch.testing.assert_close(cpu_ops.rms_norm(x, weight, 1e-6)[0], torch_ops.rms_norm(x, weight, 1e-6)[0])
+    assert cpu_kernels.silu_and_mul(x) is None
+    assert cpu_kernels.silu_and_mul(torch.randn(3, 31)) is None  # no even split into gate and up
+    assert cpu_kernels.rms_norm(torch.randn(3, 32), torch.ones(16), 1e-6) is None
+    k = torch.randn(2, 1, 8, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16)
+    assert not cpu_kernels.store_kv(k, k, cache, cache.clone(), torch.tensor([0, 5]))
+    expected = cache.clone()
+    cpu_ops.store_kv(k, k, cache, cache.clone(), torch.tensor([0, 5]))
+    torch_ops.store_kv(k, k, expected, expected.clone(), torch.tensor([0, 5]))
+    assert torch.equal(cache, expected)
 
 
 @pytest.fixture
