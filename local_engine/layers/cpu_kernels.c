@@ -8,10 +8,11 @@
  *
  * Layouts: q [B, H, D] with rows `q_stride` floats apart (a view into the fused qkv projection); out [B, H, D];
  * k_cache and v_cache [num_blocks, block_size, KVH, D]; block_tables int32 [B, table_width]; context_lens int32
- * [B]. Head h attends with KV head h / (H / KVH). One sequence at a time, every head at once, so each cache block
- * (16 tokens of all KV heads, contiguous) is read front to back, each row read prefetching the same row of the
- * block two ahead. Softmax is online (running max and sum per head), in float32; a sequence with context_len 0
- * gets zeros.
+ * [B]. Head h attends with KV head h / (H / KVH). Per KV head of a sequence, the context is taken 512 keys at
+ * a time in two passes: the scores of all its query heads (four keys' dot products at a time, each K row read
+ * prefetching the same row of the block two ahead), one online-softmax update per head over the whole chunk
+ * (running max and sum in float32), then the weighted sum of the chunk's values with 64 lanes of accumulators
+ * in registers across blocks. A sequence with context_len 0 gets zeros.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -66,7 +67,7 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
 }
 
-/* Online softmax over one block's n scores of a head: p = exp(s - new max) in place; returns the new max and
+/* Online softmax over n scores of a head (a chunk of keys): p = exp(s - new max) in place; returns the new max and
    adds the block's sum to *sum after scaling the old one (and, via *alpha, the caller's accumulator). */
 static inline float block_softmax(float *p, int64_t n, float running_max, float *running_sum, float *alpha) {
     int64_t t = 0;
@@ -125,81 +126,93 @@ static inline void block_scores(const float *q, const float *k, int64_t stride, 
     }
 }
 
-/* acc[g] += sum_t p[g][t] * v_t over the n values of one block, for each of the `group` heads that share these
-   values: 32 lanes of the head dim at a time, the accumulators kept in registers across the block's tokens. */
-static inline void block_values(float *acc, const float *p, int64_t p_stride, const float *v, int64_t stride,
-                                int64_t n, int64_t group, int64_t dim, const float *ahead) {
-    for (int64_t d0 = 0; d0 < dim; d0 += 32) {
-        const int64_t w = dim - d0 < 32 ? dim - d0 : 32;
-        for (int64_t g = 0; g < group; g++) {
-            float *a = acc + g * dim + d0;
-            const float *pg = p + g * p_stride;
-            __m256 c0 = _mm256_loadu_ps(a);
-            __m256 c1 = w > 8 ? _mm256_loadu_ps(a + 8) : _mm256_setzero_ps();
-            __m256 c2 = w > 16 ? _mm256_loadu_ps(a + 16) : _mm256_setzero_ps();
-            __m256 c3 = w > 24 ? _mm256_loadu_ps(a + 24) : _mm256_setzero_ps();
-            const int is_prefetching = ahead && d0 == 0 && g == 0;
-            for (int64_t t = 0; t < n; t++) {
-                const float *vt = v + t * stride + d0;
-                if (is_prefetching) prefetch(ahead + t * stride, dim);
-                const __m256 pt = _mm256_set1_ps(pg[t]);
-                c0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt), c0);
-                if (w > 8) c1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8), c1);
-                if (w > 16) c2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 16), c2);
-                if (w > 24) c3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 24), c3);
-            }
-            _mm256_storeu_ps(a, c0);
-            if (w > 8) _mm256_storeu_ps(a + 8, c1);
-            if (w > 16) _mm256_storeu_ps(a + 16, c2);
-            if (w > 24) _mm256_storeu_ps(a + 24, c3);
-        }
+/* Scores of up to this many keys per query head are held at once (a multiple of every allowed block size). */
+#define SCORE_CHUNK 512
+
+/* acc[0:w] += sum_t p[t] * v_t[0:w] over the n rows of one block (`stride` floats apart), w <= 64 lanes held in
+   eight registers for the whole block. */
+static inline void rows_weighted_sum(__m256 *c, int64_t w, const float *p, const float *v, int64_t stride, int64_t n,
+                                     const float *ahead, int64_t dim) {
+    for (int64_t t = 0; t < n; t++) {
+        const float *vt = v + t * stride;
+        if (ahead) prefetch(ahead + t * stride, dim);
+        const __m256 pt = _mm256_set1_ps(p[t]);
+        c[0] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt), c[0]);
+        if (w > 8) c[1] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8), c[1]);
+        if (w > 16) c[2] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 16), c[2]);
+        if (w > 24) c[3] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 24), c[3]);
+        if (w > 32) c[4] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 32), c[4]);
+        if (w > 40) c[5] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 40), c[5]);
+        if (w > 48) c[6] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 48), c[6]);
+        if (w > 56) c[7] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 56), c[7]);
     }
 }
 
-/* KV heads [kh_first, kh_last) of one sequence (q and out point at the sequence's first head). */
+/* KV heads [kh_first, kh_last) of one sequence (q and out point at the sequence's first head). Per KV head, the
+   context is taken SCORE_CHUNK keys at a time in two passes: the scores of all its query heads over the chunk,
+   one softmax update per head over the whole chunk, then the weighted sum of the chunk's values with the
+   accumulators in registers across blocks. */
 static void decode_one(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
                        int64_t context_len, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
                        int64_t block_size, float scale, int64_t kh_first, int64_t kh_last) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * dim;
     const int64_t block_floats = block_size * token_stride;
-    float qs[MAX_HEADS * MAX_HEAD_DIM], acc[MAX_HEADS * MAX_HEAD_DIM];
-    float p[MAX_GROUP * MAX_BLOCK_SIZE], running_max[MAX_HEADS], running_sum[MAX_HEADS];
-    for (int64_t i = kh_first * group * dim; i < kh_last * group * dim; i++) {
-        qs[i] = q[i] * scale;
-        acc[i] = 0.0f;
-    }
-    for (int64_t h = kh_first * group; h < kh_last * group; h++) {
-        running_max[h] = -INFINITY;
-        running_sum[h] = 0.0f;
-    }
-    for (int64_t start = 0; start < context_len; start += block_size) {
-        const int64_t n = context_len - start < block_size ? context_len - start : block_size;
-        const int64_t index = start / block_size;
-        const int64_t block = table[index];
-        const int64_t ahead =
-            start + PREFETCH_BLOCKS_AHEAD * block_size < context_len ? table[index + PREFETCH_BLOCKS_AHEAD] : -1;
-        for (int64_t kh = kh_first; kh < kh_last; kh++) {
-            const float *kb = k_cache + block * block_floats + kh * dim;
-            const float *vb = v_cache + block * block_floats + kh * dim;
-            const float *k_ahead = ahead >= 0 ? k_cache + ahead * block_floats + kh * dim : 0;
-            const float *v_ahead = ahead >= 0 ? v_cache + ahead * block_floats + kh * dim : 0;
+    float qs[MAX_GROUP * MAX_HEAD_DIM], acc[MAX_GROUP * MAX_HEAD_DIM], scores[MAX_GROUP * SCORE_CHUNK];
+    float running_max[MAX_GROUP], running_sum[MAX_GROUP];
+    for (int64_t kh = kh_first; kh < kh_last; kh++) {
+        for (int64_t i = 0; i < group * dim; i++) {
+            qs[i] = q[kh * group * dim + i] * scale;
+            acc[i] = 0.0f;
+        }
+        for (int64_t g = 0; g < group; g++) {
+            running_max[g] = -INFINITY;
+            running_sum[g] = 0.0f;
+        }
+        for (int64_t chunk = 0; chunk < context_len; chunk += SCORE_CHUNK) {
+            const int64_t n = context_len - chunk < SCORE_CHUNK ? context_len - chunk : SCORE_CHUNK;
+            const int64_t first_block = chunk / block_size, num_blocks = (n + block_size - 1) / block_size;
+            const int64_t total_blocks = (context_len + block_size - 1) / block_size;
+            for (int64_t b = 0; b < num_blocks; b++) {
+                const int64_t index = first_block + b, nb = n - b * block_size < block_size ? n - b * block_size : block_size;
+                const float *kb = k_cache + table[index] * block_floats + kh * dim;
+                const float *k_ahead = index + PREFETCH_BLOCKS_AHEAD < total_blocks
+                                           ? k_cache + table[index + PREFETCH_BLOCKS_AHEAD] * block_floats + kh * dim
+                                           : 0;
+                for (int64_t g = 0; g < group; g++)
+                    block_scores(qs + g * dim, kb, token_stride, nb, dim, scores + g * SCORE_CHUNK + b * block_size,
+                                 g == 0 ? k_ahead : 0);
+            }
             for (int64_t g = 0; g < group; g++) {
-                const int64_t h = kh * group + g;
-                float *pg = p + g * block_size;
-                block_scores(qs + h * dim, kb, token_stride, n, dim, pg, g == 0 ? k_ahead : 0);
                 float alpha;
-                running_max[h] = block_softmax(pg, n, running_max[h], &running_sum[h], &alpha);
-                if (alpha != 1.0f) {
-                    float *a = acc + h * dim;
-                    for (int64_t d = 0; d < dim; d++) a[d] *= alpha;
+                running_max[g] = block_softmax(scores + g * SCORE_CHUNK, n, running_max[g], &running_sum[g], &alpha);
+                if (alpha != 1.0f)
+                    for (int64_t d = 0; d < dim; d++) acc[g * dim + d] *= alpha;
+            }
+            for (int64_t g = 0; g < group; g++) {
+                for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+                    const int64_t w = dim - d0 < 64 ? dim - d0 : 64;
+                    float *a = acc + g * dim + d0;
+                    __m256 c[8];
+                    for (int64_t i = 0; i < 8; i++) c[i] = i * 8 < w ? _mm256_loadu_ps(a + i * 8) : _mm256_setzero_ps();
+                    for (int64_t b = 0; b < num_blocks; b++) {
+                        const int64_t index = first_block + b;
+                        const int64_t nb = n - b * block_size < block_size ? n - b * block_size : block_size;
+                        const float *vb = v_cache + table[index] * block_floats + kh * dim + d0;
+                        const float *v_ahead = g == 0 && d0 == 0 && index + PREFETCH_BLOCKS_AHEAD < total_blocks
+                                                   ? v_cache + table[index + PREFETCH_BLOCKS_AHEAD] * block_floats + kh * dim
+                                                   : 0;
+                        rows_weighted_sum(c, w, scores + g * SCORE_CHUNK + b * block_size, vb, token_stride, nb, v_ahead,
+                                          dim);
+                    }
+                    for (int64_t i = 0; i < 8; i++)
+                        if (i * 8 < w) _mm256_storeu_ps(a + i * 8, c[i]);
                 }
             }
-            block_values(acc + kh * group * dim, p, block_size, vb, token_stride, n, group, dim, v_ahead);
         }
-    }
-    for (int64_t h = kh_first * group; h < kh_last * group; h++) {
-        const float inv = running_sum[h] > 0.0f ? 1.0f / running_sum[h] : 0.0f;
-        for (int64_t d = 0; d < dim; d++) out[h * dim + d] = acc[h * dim + d] * inv;
+        for (int64_t g = 0; g < group; g++) {
+            const float inv = running_sum[g] > 0.0f ? 1.0f / running_sum[g] : 0.0f;
+            for (int64_t d = 0; d < dim; d++) out[(kh * group + g) * dim + d] = acc[g * dim + d] * inv;
+        }
     }
 }
 
@@ -207,8 +220,8 @@ void unigate_paged_decode_f32(const float *q, int64_t q_stride, const float *k_c
                               const int32_t *block_tables, const int32_t *context_lens, float *out, int64_t num_seqs,
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                               int64_t table_width, float scale) {
-    /* Whole sequences per task when there are enough of them to keep every thread busy (each cache block is then
-       read front to back once); else one task per (sequence, KV head), so batch 1 uses every thread too. */
+    /* Whole sequences per task when there are enough of them to keep every thread busy; else one task per
+       (sequence, KV head), so batch 1 uses every thread too. */
     const int64_t split_heads = num_seqs < 2 * omp_get_max_threads() ? num_kv_heads : 1;
     const int64_t heads_per_task = num_kv_heads / split_heads;
 #pragma omp parallel for schedule(dynamic, 1)

@@ -67,7 +67,10 @@ def test_the_kernels_build_on_this_machine() -> None:
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (8, 8, 64, 32), (16, 4, 128, 16), (32, 4, 128, 32), (16, 2, 64, 16), (8, 1, 128, 16)],
 )
-@pytest.mark.parametrize("lens", [[0, 1, 15, 16, 17, 100, 333, 64, 5], [1], [257], [40, 0]])
+@pytest.mark.parametrize(
+    "lens",
+    [[0, 1, 15, 16, 17, 100, 333, 64, 5], [1], [257], [40, 0], [511, 512, 513, 1100]],  # past one 512-key chunk
+)
 def test_decode_attention_matches_the_torch_path(
     num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, lens: list[int]
 ) -> None:
