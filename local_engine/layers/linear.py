@@ -16,7 +16,8 @@ plain `nn.Linear` (to compare).
 Decode batches are projections of a few rows, where every step streams all the weights from memory and the
 libraries' small-M paths reach about half the read bandwidth. With the native CPU kernels on, a `PackedLinear`
 also keeps the weight in torch's row-major layout and sends calls of up to `NATIVE_MAX_ROWS` rows to
-`cpu_kernels.linear`, which streams it at memory speed. Measured on the same 30 layers, weights cold, in ms:
+`cpu_kernels.linear`, which streams it at memory speed. Measured on the same 30 layers, weights cold, in ms, on an
+AVX2-only EPYC (slower than the host of the table above, whose oneDNN had AVX-512):
 
     rows                     1      8     16     24     32
     oneDNN packed         39.8   57.9   68.8   79.5   95.1
