@@ -11,6 +11,9 @@ Workload: N requests with prompt lengths uniform in [32, 600] tokens and output 
   until its longest output (the other slots are padding) and every request in it ends when the batch ends;
 - batch-1: TTFT and decode tokens/s for a 200-token prompt, both engines.
 Greedy decoding everywhere, float32 by default (the figures the issue asks for).
+
+`--profile-ops` also prints where the engine's run went: seconds in each of the engine's ops, the projections,
+the logits and the sampler (timers wrapped around them for that run only).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +117,61 @@ def run_engine(engine: LLMEngine, requests: list[Request]) -> RunResult:
             "kv_utilisation_min": min(utilisation) if utilisation else 1.0,
         },
     )
+
+
+OP_NAMES = (
+    "store_kv",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rms_norm",
+    "apply_rotary",
+    "silu_and_mul",
+)
+
+
+@contextmanager
+def op_timers(engine: LLMEngine) -> Iterator[Counter[str]]:
+    """Seconds spent in each engine op, the projections (every call of the model's linear class, the output
+    projection included), the logits and the sampler while the block runs; the wrappers are removed after it."""
+    totals: Counter[str] = Counter()
+
+    def timed(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[label] += time.perf_counter() - started
+
+        return wrapper
+
+    model = engine.runner.model
+    layer = model.model.layers[0]
+    linear_class = type(layer.mlp.down_proj)
+    sampler_class = type(engine.sampler)
+    patches: list[tuple[object, str, str]] = [(layer.self_attn.ops, name, name) for name in OP_NAMES]
+    patches += [
+        (linear_class, "forward", "projections"),
+        (model, "compute_logits", "logits"),
+        (sampler_class, "__call__", "sampler"),
+    ]
+    saved = [(owner, name, owner.__dict__.get(name), getattr(owner, name)) for owner, name, _ in patches]
+    for (owner, name, label), (*_, fn) in zip(patches, saved, strict=True):
+        setattr(owner, name, timed(label, fn))
+    try:
+        yield totals
+    finally:
+        for owner, name, own, _ in saved:
+            if own is None:
+                delattr(owner, name)  # an instance attribute shadowing its class's method
+            else:
+                setattr(owner, name, own)
+
+
+def report_ops(totals: Counter[str], elapsed: float) -> None:
+    print(f"\nwhere the engine's {elapsed:.1f} s went (the logits' projection is also counted in projections):")
+    for label, seconds in totals.most_common():
+        print(f"  {label:24} {seconds:7.2f} s  {100 * seconds / elapsed:5.1f}%")
 
 
 def engine_batch1(engine: LLMEngine, prompt: list[int], num_output: int) -> tuple[float, float]:
@@ -221,6 +282,7 @@ def main() -> None:
     parser.add_argument(
         "--no-pack-cpu-weights", action="store_true", help="plain torch.nn.Linear (MKL) instead of oneDNN packed GEMMs"
     )
+    parser.add_argument("--profile-ops", action="store_true", help="time each engine op during the engine's run")
     parser.add_argument(
         "--no-cpu-kernels",
         action="store_true",
@@ -257,7 +319,12 @@ def main() -> None:
         f"output tokens, threads={torch.get_num_threads()}, dtype={args.dtype}"
     )
     engine.generate([requests[0].prompt[:16]], greedy(4))  # warm-up
-    results = [run_engine(engine, requests)]
+    if args.profile_ops:
+        with op_timers(engine) as totals:
+            results = [run_engine(engine, requests)]
+        report_ops(totals, results[0].elapsed_s)
+    else:
+        results = [run_engine(engine, requests)]
     batch1_prompt = make_workload(1, (200, 200), (1, 1), vocab, seed=99)[0].prompt  # shares no prefix
     engine_b1 = engine_batch1(engine, batch1_prompt, batch1_output)
     hf_b1: tuple[float, float] | None = None

@@ -1,5 +1,6 @@
-"""The GPU benchmark and the CPU attention benchmark run end to end at tiny sizes (they are otherwise only run by
-hand, the GPU one on the rare machine that has a GPU): exit code 0 and every table they promise is printed."""
+"""The GPU benchmark, the CPU attention benchmark and the engine benchmark's op profile run end to end at tiny sizes
+(they are otherwise only run by hand, the GPU one on the rare machine that has a GPU): exit code 0 and every table
+they promise is printed."""
 
 from __future__ import annotations
 
@@ -38,3 +39,12 @@ def test_cpu_attention_benchmark_runs() -> None:
     for variant in ("torch path, blocks shuffled", "C kernel, blocks shuffled", "hot", "C kernel, blocks in order"):
         assert variant in out
     assert "KV read per step" in out
+
+
+def test_engine_throughput_profiles_the_engine_ops() -> None:
+    # The bundled model (installed by `make`); its converted weights are cached under .unigate/models.
+    out = run("benchmarks/engine_throughput.py", "--quick", "--skip-hf", "--num-requests", "2", "--profile-ops")
+    assert "where the engine's" in out
+    for label in ("projections", "logits", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "sampler"):
+        assert f"  {label} " in out, label
+    assert "unigate engine  TTFT" in out  # the batch-1 run after it, on the unwrapped ops
