@@ -68,7 +68,7 @@ static inline __m256 exp8(__m256 x) {
 }
 
 /* Online softmax over n scores of a head (a chunk of keys): p = exp(s - new max) in place; returns the new max and
-   adds the block's sum to *sum after scaling the old one (and, via *alpha, the caller's accumulator). */
+   adds the chunk's sum to *sum after scaling the old one (and, via *alpha, the caller's accumulator). */
 static inline float block_softmax(float *p, int64_t n, float running_max, float *running_sum, float *alpha) {
     int64_t t = 0;
     __m256 vmax = _mm256_set1_ps(running_max);
@@ -148,6 +148,13 @@ static inline void rows_weighted_sum(__m256 *c, int64_t w, const float *p, const
     }
 }
 
+/* The rows of KV head `offset` in the block PREFETCH_BLOCKS_AHEAD after block `index`, or 0 past the context. */
+static inline const float *block_ahead(const float *cache, const int32_t *table, int64_t index, int64_t num_blocks,
+                                       int64_t block_floats, int64_t offset) {
+    const int64_t later = index + PREFETCH_BLOCKS_AHEAD;
+    return later < num_blocks ? cache + table[later] * block_floats + offset : 0;
+}
+
 /* KV heads [kh_first, kh_last) of one sequence (q and out point at the sequence's first head). Per KV head, the
    context is taken SCORE_CHUNK keys at a time in two passes: the scores of all its query heads over the chunk,
    one softmax update per head over the whole chunk, then the weighted sum of the chunk's values with the
@@ -157,6 +164,7 @@ static void decode_one(const float *q, const float *k_cache, const float *v_cach
                        int64_t block_size, float scale, int64_t kh_first, int64_t kh_last) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * dim;
     const int64_t block_floats = block_size * token_stride;
+    const int64_t total_blocks = (context_len + block_size - 1) / block_size;
     float qs[MAX_GROUP * MAX_HEAD_DIM], acc[MAX_GROUP * MAX_HEAD_DIM], scores[MAX_GROUP * SCORE_CHUNK];
     float running_max[MAX_GROUP], running_sum[MAX_GROUP];
     for (int64_t kh = kh_first; kh < kh_last; kh++) {
@@ -171,13 +179,10 @@ static void decode_one(const float *q, const float *k_cache, const float *v_cach
         for (int64_t chunk = 0; chunk < context_len; chunk += SCORE_CHUNK) {
             const int64_t n = context_len - chunk < SCORE_CHUNK ? context_len - chunk : SCORE_CHUNK;
             const int64_t first_block = chunk / block_size, num_blocks = (n + block_size - 1) / block_size;
-            const int64_t total_blocks = (context_len + block_size - 1) / block_size;
             for (int64_t b = 0; b < num_blocks; b++) {
                 const int64_t index = first_block + b, nb = n - b * block_size < block_size ? n - b * block_size : block_size;
                 const float *kb = k_cache + table[index] * block_floats + kh * dim;
-                const float *k_ahead = index + PREFETCH_BLOCKS_AHEAD < total_blocks
-                                           ? k_cache + table[index + PREFETCH_BLOCKS_AHEAD] * block_floats + kh * dim
-                                           : 0;
+                const float *k_ahead = block_ahead(k_cache, table, index, total_blocks, block_floats, kh * dim);
                 for (int64_t g = 0; g < group; g++)
                     block_scores(qs + g * dim, kb, token_stride, nb, dim, scores + g * SCORE_CHUNK + b * block_size,
                                  g == 0 ? k_ahead : 0);
@@ -198,9 +203,8 @@ static void decode_one(const float *q, const float *k_cache, const float *v_cach
                         const int64_t index = first_block + b;
                         const int64_t nb = n - b * block_size < block_size ? n - b * block_size : block_size;
                         const float *vb = v_cache + table[index] * block_floats + kh * dim + d0;
-                        const float *v_ahead = g == 0 && d0 == 0 && index + PREFETCH_BLOCKS_AHEAD < total_blocks
-                                                   ? v_cache + table[index + PREFETCH_BLOCKS_AHEAD] * block_floats + kh * dim
-                                                   : 0;
+                        const float *v_ahead =
+                            g == 0 && d0 == 0 ? block_ahead(v_cache, table, index, total_blocks, block_floats, kh * dim) : 0;
                         rows_weighted_sum(c, w, scores + g * SCORE_CHUNK + b * block_size, vb, token_stride, nb, v_ahead,
                                           dim);
                     }
