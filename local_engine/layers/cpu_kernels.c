@@ -1,10 +1,12 @@
 /* The local engine's native CPU kernels, float32: paged decode attention reading the KV cache blocks in place
- * (no gather copy), rotary embedding applied to q and k in place, projections for a few rows (decode batches)
- * that stream the weight at memory speed, and the step's small ops in one pass each (RMSNorm with its residual
- * add, silu-and-mul, the KV cache write).
+ * (no gather copy), rotary embedding applied to q and k in place, projections on weights packed in panels
+ * (decode batches and small prefill chunks: at read bandwidth for a few rows, at the FMA units' rate for
+ * dozens), and the step's small ops in one pass each (RMSNorm with its residual add, silu-and-mul, the KV cache
+ * write).
  *
  * Built at run time by cpu_kernels.py with the machine's C compiler (-O3 -march=native -fopenmp) and called
- * through ctypes. AVX2 + FMA intrinsics; OpenMP over sequences (the process's one OpenMP runtime: torch's).
+ * through ctypes. AVX2 + FMA intrinsics (the projections: GCC vector extensions, AVX-512 where the CPU has it);
+ * OpenMP over sequences or panels (the process's one OpenMP runtime: torch's).
  *
  * Layouts: q [B, H, D] with rows `q_stride` floats apart (a view into the fused qkv projection); out [B, H, D];
  * k_cache and v_cache [num_blocks, block_size, KVH, D]; block_tables int32 [B, table_width]; context_lens int32
@@ -263,96 +265,93 @@ void unigate_rotary_f32(float *q, int64_t q_stride, float *k, int64_t k_stride, 
     }
 }
 
-/* y[M, N] = x[M, K] W[N, K]^T (+ bias) for small M (decode batches), W in torch's row-major layout.
+/* y[M, N] = x[M, K] W[N, K]^T (+ bias), W packed once at load time into panels of LINEAR_PANEL output features:
+ * [ceil(N / LINEAR_PANEL), K, LINEAR_PANEL] (cpu_kernels.pack_linear_weight; the last panel zero-padded).
  *
- * At a few rows a projection is a stream of its weight from memory; the GEMM libraries' small-M paths reach
- * about half the machine's read bandwidth on cold weights. Here each thread takes a contiguous range of output
- * features, three at a time (three weight rows, one L1-resident tile), and runs every row of x against them in
- * tiles of up to four: 12 accumulators of 8 lanes along K. While a tile is computed, the next three weight rows
- * are prefetched one line per step, spread evenly over the tile's K steps, so memory and arithmetic overlap.
- * Each output is one float32 dot product along K (8 partial sums, then a horizontal add), like a BLAS kernel's.
- */
-#define LINEAR_COLS 3
+ * A BLAS-style micro-kernel: a tile of up to LINEAR_ROWS rows of x against one panel keeps ROWS x VECS vector
+ * accumulators in registers; per step along K it loads the panel's next LINEAR_PANEL weights (contiguous) and
+ * broadcasts one x value per row into them. A panel (K x LINEAR_PANEL floats, 110 KB at K = 576 with AVX-512)
+ * stays in L2 while every row tile of x runs against it, and while it is used the thread prefetches its next
+ * panel, spread evenly over the tiles' K steps (one to three lines a step), so the stream of the weight from
+ * memory overlaps the arithmetic: at a few rows a projection runs at read bandwidth, at a few dozen at the
+ * FMA units' rate. Each thread takes a contiguous range of panels. Each output is one float32 sum along K in
+ * order (a BLAS kernel's order differs; both round to float32 at each step).
+ *
+ * Written with GCC vector extensions, so the same code is 16-lane AVX-512 where -march=native has it (3 vectors
+ * x 8 rows: 24 of 32 registers) and 8-lane AVX2 otherwise (3 x 4: 12 of 16). */
+#ifdef __AVX512F__
+#define LINEAR_LANES 16
+#define LINEAR_ROWS 8
+#else
+#define LINEAR_LANES 8
 #define LINEAR_ROWS 4
+#endif
+#define LINEAR_VECS 3
+#define LINEAR_PANEL (LINEAR_VECS * LINEAR_LANES)
+typedef float lanes_t __attribute__((vector_size(LINEAR_LANES * 4), aligned(4)));
+
+int64_t unigate_linear_panel_width(void) { return LINEAR_PANEL; }
 
 static inline __attribute__((always_inline)) void linear_tile(const int rows, const float *x, int64_t ldx,
-                                                              const float *w, int64_t k_dim, float *y, int64_t ldy,
-                                                              const float *bias, const char **next, int64_t *left,
-                                                              int64_t lines_per_step) {
-    __m256 acc[LINEAR_ROWS][LINEAR_COLS];
+                                                              const float *panel, int64_t k_dim, float *y,
+                                                              int64_t ldy, int cols, const float *bias,
+                                                              const char *prefetch, int64_t prefetch_step) {
+    lanes_t acc[LINEAR_ROWS][LINEAR_VECS];
     for (int r = 0; r < rows; r++)
-        for (int j = 0; j < LINEAR_COLS; j++) acc[r][j] = _mm256_setzero_ps();
-    const float *w0 = w, *w1 = w + k_dim, *w2 = w + 2 * k_dim;
-    const char *p = *next;
-    int64_t remaining = *left, k = 0;
-    for (; k + 8 <= k_dim; k += 8) {
-        for (int64_t i = 0; i < lines_per_step && remaining > 0; i++, remaining--, p += 64)
-            _mm_prefetch(p, _MM_HINT_T0);
-        const __m256 b0 = _mm256_loadu_ps(w0 + k), b1 = _mm256_loadu_ps(w1 + k), b2 = _mm256_loadu_ps(w2 + k);
+        for (int j = 0; j < LINEAR_VECS; j++) acc[r][j] = (lanes_t){0};
+    for (int64_t k = 0; k < k_dim; k++) {
+        if (prefetch) {
+            const char *line = prefetch + k * prefetch_step;
+            _mm_prefetch(line, _MM_HINT_T0);
+            if (prefetch_step > 64) _mm_prefetch(line + 64, _MM_HINT_T0);
+            if (prefetch_step > 128) _mm_prefetch(line + 128, _MM_HINT_T0);
+        }
+        lanes_t w[LINEAR_VECS];
+        for (int j = 0; j < LINEAR_VECS; j++) w[j] = *(const lanes_t *)(panel + k * LINEAR_PANEL + j * LINEAR_LANES);
         for (int r = 0; r < rows; r++) {
-            const __m256 a = _mm256_loadu_ps(x + r * ldx + k);
-            acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
-            acc[r][2] = _mm256_fmadd_ps(a, b2, acc[r][2]);
+            const float a = x[r * ldx + k];
+            for (int j = 0; j < LINEAR_VECS; j++) acc[r][j] += a * w[j];
         }
     }
-    *next = p;
-    *left = remaining;
     for (int r = 0; r < rows; r++) {
-        const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][2]));
-        float out[4];
-        _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
-        for (int64_t kk = k; kk < k_dim; kk++) {
-            const float a = x[r * ldx + kk];
-            out[0] += a * w0[kk];
-            out[1] += a * w1[kk];
-            out[2] += a * w2[kk];
+        if (cols == LINEAR_PANEL && !bias) {  /* a whole panel: vector stores */
+            for (int j = 0; j < LINEAR_VECS; j++) *(lanes_t *)(y + r * ldy + j * LINEAR_LANES) = acc[r][j];
+            continue;
         }
-        for (int j = 0; j < LINEAR_COLS; j++) y[r * ldy + j] = bias ? out[j] + bias[j] : out[j];
+        float out[LINEAR_PANEL];
+        for (int j = 0; j < LINEAR_VECS; j++) *(lanes_t *)(out + j * LINEAR_LANES) = acc[r][j];
+        for (int c = 0; c < cols; c++) y[r * ldy + c] = bias ? out[c] + bias[c] : out[c];
     }
 }
 
-/* Output features past the last multiple of three, one dot product per row. */
-static void linear_column(const float *x, int64_t ldx, int64_t m, const float *w, int64_t k_dim, float *y,
-                          int64_t ldy, const float *bias) {
-    for (int64_t r = 0; r < m; r++) {
-        __m256 a = _mm256_setzero_ps();
-        int64_t k = 0;
-        for (; k + 8 <= k_dim; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + k), _mm256_loadu_ps(w + k), a);
-        float s = hsum8(a);
-        for (; k < k_dim; k++) s += x[r * ldx + k] * w[k];
-        y[r * ldy] = bias ? s + bias[0] : s;
-    }
-}
+#define LINEAR_TILE(n) \
+    case n: linear_tile(n, xr, ldx, panel, k_dim, y + r * n_dim + p * LINEAR_PANEL, n_dim, cols, b, next, step); break;
 
-void unigate_linear_f32(const float *x, int64_t ldx, int64_t m, const float *w, int64_t n, int64_t k_dim,
+void unigate_linear_f32(const float *x, int64_t ldx, int64_t m, const float *packed, int64_t n_dim, int64_t k_dim,
                         const float *bias, float *y) {
-    const int64_t groups = n / LINEAR_COLS;
-    const int64_t steps = (m + LINEAR_ROWS - 1) / LINEAR_ROWS * (k_dim / 8);
-    const int64_t group_lines = (LINEAR_COLS * k_dim * 4 + 63) / 64;
-    const int64_t lines_per_step = steps ? (group_lines + steps - 1) / steps : 0;
+    const int64_t panels = (n_dim + LINEAR_PANEL - 1) / LINEAR_PANEL;
+    const int64_t tiles = (m + LINEAR_ROWS - 1) / LINEAR_ROWS;
+    /* bytes of the next panel to prefetch per K step of each tile: the whole panel over all the tiles */
+    const int64_t step = tiles ? (LINEAR_PANEL * 4 + tiles - 1) / tiles : 0;
 #pragma omp parallel
     {
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t first = groups * t / threads, last = groups * (t + 1) / threads;
-        for (int64_t g = first; g < last; g++) {
-            const float *wg = w + g * LINEAR_COLS * k_dim, *bg = bias ? bias + g * LINEAR_COLS : 0;
-            float *yg = y + g * LINEAR_COLS;
-            const char *next = (const char *)(wg + LINEAR_COLS * k_dim);  /* the next group's weight rows */
-            int64_t left = g + 1 < last ? group_lines : 0;
-            int64_t r = 0;
-            for (; r + LINEAR_ROWS <= m; r += LINEAR_ROWS)
-                linear_tile(LINEAR_ROWS, x + r * ldx, ldx, wg, k_dim, yg + r * n, n, bg, &next, &left, lines_per_step);
-            switch (m - r) {
-            case 3: linear_tile(3, x + r * ldx, ldx, wg, k_dim, yg + r * n, n, bg, &next, &left, lines_per_step); break;
-            case 2: linear_tile(2, x + r * ldx, ldx, wg, k_dim, yg + r * n, n, bg, &next, &left, lines_per_step); break;
-            case 1: linear_tile(1, x + r * ldx, ldx, wg, k_dim, yg + r * n, n, bg, &next, &left, lines_per_step); break;
-            default: break;
+        const int64_t first = panels * t / threads, last = panels * (t + 1) / threads;
+        for (int64_t p = first; p < last; p++) {
+            const float *panel = packed + p * k_dim * LINEAR_PANEL, *b = bias ? bias + p * LINEAR_PANEL : 0;
+            const int cols = n_dim - p * LINEAR_PANEL < LINEAR_PANEL ? (int)(n_dim - p * LINEAR_PANEL) : LINEAR_PANEL;
+            for (int64_t r = 0; r < m; r += LINEAR_ROWS) {
+                const char *next = p + 1 < last ? (const char *)(panel + k_dim * LINEAR_PANEL) + r / LINEAR_ROWS * k_dim * step : 0;
+                const float *xr = x + r * ldx;
+                switch (m - r < LINEAR_ROWS ? (int)(m - r) : LINEAR_ROWS) {
+                    LINEAR_TILE(1) LINEAR_TILE(2) LINEAR_TILE(3) LINEAR_TILE(4)
+#if LINEAR_ROWS > 4
+                    LINEAR_TILE(5) LINEAR_TILE(6) LINEAR_TILE(7) LINEAR_TILE(8)
+#endif
+                    default: break;
+                }
             }
         }
-        if (t == threads - 1)
-            for (int64_t c = groups * LINEAR_COLS; c < n; c++)
-                linear_column(x, ldx, m, w + c * k_dim, k_dim, y + c, n, bias ? bias + c : 0);
     }
 }
 

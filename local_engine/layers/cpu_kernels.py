@@ -4,8 +4,9 @@
   blocks out of the cache first (`torch_ops._gather`) and runs SDPA with a query length of one GQA group, which
   the CPU kernels handle poorly;
 - rotary embedding on q and k in place, one pass instead of a dozen small torch ops per layer;
-- projections of a few rows (decode batches): a stream of the weight at memory speed, where oneDNN's and MKL's
-  small-M paths reach about half the read bandwidth on cold weights (`layers/linear.py` calls it up to
+- projections on weights packed once into panels (`pack_linear_weight`) for decode batches and small prefill
+  chunks: a stream of the weight at read bandwidth for a few rows and at the FMA units' rate for dozens, where
+  oneDNN's and MKL's small-M paths reach about half of either (`layers/linear.py` calls it up to
   `linear.NATIVE_MAX_ROWS` rows);
 - RMSNorm with its residual add, silu-and-mul and the KV cache write, one pass over the data each, where the
   torch ops take several (and a fresh tensor per step) for each.
@@ -39,6 +40,7 @@ __all__ = [
     "is_available",
     "linear",
     "load",
+    "pack_linear_weight",
     "paged_decode_attention",
     "rms_norm",
     "silu_and_mul",
@@ -95,6 +97,7 @@ class Kernel:
     max_group: int
     max_head_dim: int
     max_block_size: int
+    panel_width: int  # output features per panel of a packed projection weight (`pack_linear_weight`)
 
 
 @functools.cache
@@ -135,7 +138,9 @@ def load() -> Kernel | None:
     store_kv.restype = None
     limits = [ctypes.c_int64() for _ in range(4)]
     library.unigate_cpu_kernels_limits(*(ctypes.byref(x) for x in limits))
-    return Kernel(decode, rotary, linear, rms_norm, silu_and_mul, store_kv, *(x.value for x in limits))
+    library.unigate_linear_panel_width.restype = ctypes.c_int64
+    panel_width = library.unigate_linear_panel_width()
+    return Kernel(decode, rotary, linear, rms_norm, silu_and_mul, store_kv, *(x.value for x in limits), panel_width)
 
 
 def is_available() -> bool:
@@ -249,22 +254,44 @@ def _rows_and_vector(x: torch.Tensor, weight: torch.Tensor, extra: torch.Tensor 
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """`F.linear(x, weight, bias)` for x [M, K] (rows may be apart: a slice of a fused projection) and weight
-    [N, K] contiguous, float32 on CPU; None when the kernel is unavailable or does not apply."""
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A float32 [N, K] weight in the layout `linear` reads: panels of `panel_width` output features, [ceil(N /
+    width), K, width], the last panel zero-padded (a copy; the weight's own bytes plus at most one panel). None
+    when the kernel is unavailable or the weight is not a 2-D float32 CPU tensor."""
     kernel = load()
-    if kernel is None or not _rows_and_vector(x, weight, bias) or x.shape[1] != weight.shape[1]:
+    if kernel is None or weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return None
-    num_rows, num_out = x.shape[0], weight.shape[0]
+    (num_out, num_in), width = weight.shape, kernel.panel_width
+    panels = -(-num_out // width)
+    padded = torch.zeros((panels * width, num_in), dtype=torch.float32)
+    padded[:num_out] = weight
+    return padded.view(panels, width, num_in).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, num_out: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """`F.linear(x, weight, bias)` for x [M, K] (rows may be apart: a slice of a fused projection), float32 on
+    CPU, with the weight [num_out, K] given packed (`pack_linear_weight`); None when the kernel is unavailable
+    or does not apply."""
+    kernel = load()
+    if (
+        kernel is None
+        or not _rows_and_vector(x, packed, bias)
+        or packed.dim() != 3
+        or packed.shape[1:] != (x.shape[1], kernel.panel_width)
+        or not (packed.shape[0] - 1) * kernel.panel_width < num_out <= packed.shape[0] * kernel.panel_width
+        or (bias is not None and bias.shape != (num_out,))
+    ):
+        return None
+    num_rows = x.shape[0]
     out = torch.empty((num_rows, num_out), dtype=torch.float32)
-    if num_rows and num_out:
+    if num_rows:
         kernel.linear(
             x.data_ptr(),
             x.stride(0),
             num_rows,
-            weight.data_ptr(),
+            packed.data_ptr(),
             num_out,
-            weight.shape[1],
+            x.shape[1],
             None if bias is None else bias.data_ptr(),
             out.data_ptr(),
         )

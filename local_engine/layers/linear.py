@@ -14,17 +14,22 @@ CPU for float32/bfloat16 weights, when the torch build has oneDNN; `EngineConfig
 plain `nn.Linear` (to compare).
 
 Decode batches are projections of a few rows, where every step streams all the weights from memory and the
-libraries' small-M paths reach about half the read bandwidth. With the native CPU kernels on, a `PackedLinear`
-also keeps the weight in torch's row-major layout and sends calls of up to `NATIVE_MAX_ROWS` rows to
-`cpu_kernels.linear`, which streams it at memory speed. Measured on the same 30 layers, weights cold, in ms, on an
-AVX2-only EPYC (slower than the host of the table above, whose oneDNN had AVX-512):
+libraries' small-M paths reach about half the read bandwidth, and a few dozen rows, where they reach about half
+the FMA units' rate. With the native CPU kernels on, a `PackedLinear` also keeps the weight in the native
+kernel's panels (`cpu_kernels.pack_linear_weight`) and sends calls of up to `NATIVE_MAX_ROWS` rows to
+`cpu_kernels.linear`, which overlaps the weight's stream with the arithmetic. Measured on the same 30 layers,
+weights cold, in ms, on an Intel Xeon (Ice Lake, AVX-512, 2 threads; best of 3, `benchmarks/cpu_linear.py`):
 
-    rows                     1      8     16     24     32
-    oneDNN packed         39.8   57.9   68.8   79.5   95.1
-    cpu_kernels.linear    25.1   30.4   51.2   69.9   94.0
+    rows                1      8     16     32     64     96    128    256
+    oneDNN packed    33.5   34.4   38.4   54.1   81.1  103.5  142.1  244.4
+    cpu_kernels      23.0   25.5   27.6   34.3   56.0   88.5  126.5  223.4
+    F.linear (MKL)   19.9   56.1   91.9  102.8   85.0  124.8  147.2  308.3
 
-The row-major copy costs the projections' bytes a second time (a tied output embedding shares the input
-embedding's tensor and costs nothing); the engine counts it in its weights memory.
+(the kernel at 32 rows: 198 GFLOP/s, oneDNN 126; from 128 rows on, where prefill chunks' GEMMs are compute-bound,
+the lead shrinks and changes hands from run to run on this noisy machine).
+
+The panels cost the projections' bytes a second time (the oneDNN copy replaces the parameter); the engine counts
+them in its weights memory.
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ from local_engine.layers import cpu_kernels
 
 __all__ = ["NATIVE_MAX_ROWS", "PackedLinear", "can_pack", "is_packing_available", "pack_linears"]
 
-# Up to this many rows a call goes to the native kernel (it leads oneDNN by 12% at 24 rows and ties it at 32).
-NATIVE_MAX_ROWS = 24
+# Up to this many rows a call goes to the native kernel (it leads oneDNN by 15-37% up to 96 rows; from 128 rows
+# on, where a prefill chunk's GEMM is compute-bound, neither leads everywhere and oneDNN keeps them).
+NATIVE_MAX_ROWS = 96
 
 
 def is_packing_available() -> bool:
@@ -64,8 +70,8 @@ class PackedLinear(nn.Module):
     """`nn.Linear` with its weight in oneDNN's packed layout (an opaque tensor, so not a parameter or buffer:
     `.to()` and `state_dict()` must not touch it). Same input/output contract: [..., in] -> [..., out].
 
-    With `native_max_rows` > 0 the row-major weight is kept as well, and 2-D inputs of at most that many rows go
-    to `cpu_kernels.linear` (float32; anything it does not take stays on oneDNN)."""
+    With `native_max_rows` > 0 the weight is also kept packed in the native kernel's panels, and 2-D inputs of at
+    most that many rows go to `cpu_kernels.linear` (float32; anything it does not take stays on oneDNN)."""
 
     def __init__(self, linear: nn.Linear, native_max_rows: int = 0, shared: bool = False) -> None:
         super().__init__()
@@ -76,14 +82,15 @@ class PackedLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.native_max_rows = native_max_rows if weight.dtype == torch.float32 else 0
-        self.weight = weight.contiguous() if self.native_max_rows else None
-        # Bytes beyond the model's parameters: the packed copy, unless it replaces the only row-major one (a
-        # `shared` weight, tied to an embedding, lives on in the embedding).
-        self.extra_bytes = self.num_bytes if self.weight is not None or shared else 0
+        self.panels = cpu_kernels.pack_linear_weight(weight) if self.native_max_rows else None
+        # Bytes beyond the model's parameters: the oneDNN copy replaces the parameter, unless that lives on in an
+        # embedding (a `shared` weight); the native kernel's panels are one more copy.
+        panel_bytes = 0 if self.panels is None else self.panels.numel() * self.panels.element_size()
+        self.extra_bytes = panel_bytes + (self.num_bytes if shared else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is not None and x.dim() == 2 and x.shape[0] <= self.native_max_rows:
-            out = cpu_kernels.linear(x, self.weight, self.bias)
+        if self.panels is not None and x.dim() == 2 and x.shape[0] <= self.native_max_rows:
+            out = cpu_kernels.linear(x, self.panels, self.out_features, self.bias)
             if out is not None:
                 return out
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -94,7 +101,7 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module, native_max_rows: int = 0) -> int:
     """Swap every `nn.Linear` in `model` (CPU, float32 or bfloat16: see `can_pack`) for a `PackedLinear`, each
-    keeping its row-major weight too for calls of up to `native_max_rows` rows (0: never); returns how many.
+    keeping the native kernel's panels too for calls of up to `native_max_rows` rows (0: never); returns how many.
     Tied weights stay shared where they are still used elsewhere (an embedding keeps its own tensor)."""
     swapped = 0
     elsewhere = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}

@@ -4,6 +4,7 @@ write) against the torch ops, their fallbacks, and the engine."""
 from __future__ import annotations
 
 import logging
+import mmap
 import platform
 import shutil
 from collections.abc import Iterator
@@ -133,31 +134,39 @@ def test_rotary_inputs_it_does_not_handle_fall_back_to_the_torch_path() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 7, 24])
-@pytest.mark.parametrize(("num_out", "num_in"), [(1, 8), (2, 7), (3, 9), (4, 96), (7, 100), (160, 96), (96, 1536)])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 7, 8, 9, 13, 24, 97])
+@pytest.mark.parametrize(("num_out", "num_in"), [(1, 8), (2, 7), (3, 9), (47, 96), (49, 100), (160, 96), (96, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_f_linear(num_rows: int, num_out: int, num_in: int, bias: bool) -> None:
     generator = torch.Generator().manual_seed(num_rows * 1000 + num_out * 10 + num_in)
     weight = torch.randn(num_out, num_in, generator=generator)
     b = torch.randn(num_out, generator=generator) if bias else None
+    packed = cpu_kernels.pack_linear_weight(weight)
+    assert packed is not None and packed.shape[1] == num_in and packed.shape[0] * packed.shape[2] >= num_out
     fused = torch.randn(num_rows, 3 * num_in, generator=generator)
     for x in (fused[:, :num_in].contiguous(), fused[:, num_in : 2 * num_in]):  # also rows apart, as in the model
-        got = cpu_kernels.linear(x, weight, b)
+        got = cpu_kernels.linear(x, packed, num_out, b)
         assert got is not None and got.shape == (num_rows, num_out) and got.is_contiguous()
         exact = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
-        # float32 dot products of num_in terms of size ~1: rounding grows like sqrt(num_in), as F.linear's does
+        # float32 sums of num_in terms of size ~1: rounding grows like sqrt(num_in), as F.linear's does
         torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-6 * num_in**0.5 * 8)
 
 
 @needs_kernel
 def test_linear_inputs_it_does_not_handle_return_none() -> None:
     weight, x = torch.randn(16, 32), torch.randn(4, 32)
-    assert cpu_kernels.linear(x, weight, None) is not None
-    assert cpu_kernels.linear(x.bfloat16(), weight.bfloat16(), None) is None
-    assert cpu_kernels.linear(torch.randn(32, 4).t(), weight, None) is None  # columns apart
-    assert cpu_kernels.linear(x, torch.randn(32, 16).t(), None) is None  # a transposed weight
-    assert cpu_kernels.linear(x.view(2, 2, 32), weight, None) is None
-    assert cpu_kernels.linear(torch.empty(0, 32), weight, None).shape == (0, 16)  # type: ignore[union-attr]
+    packed = cpu_kernels.pack_linear_weight(weight)
+    assert packed is not None and cpu_kernels.linear(x, packed, 16, None) is not None
+    assert cpu_kernels.pack_linear_weight(weight.bfloat16()) is None
+    assert cpu_kernels.pack_linear_weight(weight[0]) is None
+    assert cpu_kernels.linear(x.bfloat16(), packed, 16, None) is None
+    assert cpu_kernels.linear(torch.randn(32, 4).t(), packed, 16, None) is None  # columns apart
+    assert cpu_kernels.linear(x, weight, 16, None) is None  # not packed
+    assert cpu_kernels.linear(x, packed, packed.shape[0] * packed.shape[2] + 1, None) is None  # more than it holds
+    assert cpu_kernels.linear(x, packed, 16, torch.randn(15)) is None  # a bias of another size
+    assert cpu_kernels.linear(torch.randn(4, 31), packed, 16, None) is None
+    assert cpu_kernels.linear(x.view(2, 2, 32), packed, 16, None) is None
+    assert cpu_kernels.linear(torch.empty(0, 32), packed, 16, None).shape == (0, 16)  # type: ignore[union-attr]
 
 
 @needs_kernel
@@ -284,7 +293,9 @@ def test_the_cpu_kv_cache_asks_for_huge_pages() -> None:
     from local_engine.model_runner import advise_huge_pages
 
     assert not advise_huge_pages(torch.empty(1024))  # no 2 MiB-aligned page inside: nothing to advise
-    cache = torch.empty(64 << 20, dtype=torch.uint8)
+    # A fresh mapping of its own: memory from the allocator may have been advised for an earlier test's cache.
+    region = mmap.mmap(-1, 64 << 20)
+    cache = torch.frombuffer(region, dtype=torch.uint8)
     start, end = cache.data_ptr(), cache.data_ptr() + cache.numel()
 
     def advised_mappings() -> list[bool]:

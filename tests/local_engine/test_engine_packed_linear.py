@@ -46,20 +46,20 @@ def test_few_row_calls_take_the_native_kernel(monkeypatch: pytest.MonkeyPatch) -
     torch.manual_seed(0)
     linear = nn.Linear(96, 160)
     packed = PackedLinear(linear, native_max_rows=4)
-    assert packed.weight is not None and packed.extra_bytes == packed.num_bytes  # two layouts held
+    assert packed.panels is not None and packed.extra_bytes == packed.panels.numel() * 4 >= packed.num_bytes
     calls: list[int] = []
     native = cpu_kernels.linear
 
-    def counting(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    def counting(x: torch.Tensor, panels: torch.Tensor, num_out: int, bias: torch.Tensor | None) -> torch.Tensor | None:
         calls.append(x.shape[0])
-        return native(x, weight, bias)
+        return native(x, panels, num_out, bias)
 
     monkeypatch.setattr(cpu_kernels, "linear", counting)
     for rows in (1, 4, 5, 64):
         x = torch.randn(rows, 192)[:, 96:]
         torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
     assert calls == [1, 4]  # more rows go to oneDNN
-    assert PackedLinear(linear).weight is None and PackedLinear(linear).extra_bytes == 0  # one layout only
+    assert PackedLinear(linear).panels is None and PackedLinear(linear).extra_bytes == 0  # one layout only
 
 
 def test_pack_linears_swaps_every_projection_and_keeps_tied_embeddings(family: Any) -> None:
@@ -71,10 +71,11 @@ def test_pack_linears_swaps_every_projection_and_keeps_tied_embeddings(family: A
     assert model.model.embed_tokens.weight.shape[0] == family.hf_config["vocab_size"]  # still a real tensor
     assert pack_linears(model) == 0  # nothing left to pack
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    for m in packed:  # a second layout costs its bytes again: kept row-major weights, or a tied embedding's
+    for m in packed:  # a second layout costs its bytes again: the native kernel's panels, or a tied embedding's
         tied = m is model.lm_head and family.hf_config.get("tie_word_embeddings", False)
-        assert m.extra_bytes == (m.num_bytes if m.weight is not None or tied else 0)
-    assert all(m.weight is not None for m in packed) == cpu_kernels.is_available()
+        panel_bytes = 0 if m.panels is None else m.panels.numel() * 4
+        assert m.extra_bytes == panel_bytes + (m.num_bytes if tied else 0)
+    assert all(m.panels is not None for m in packed) == cpu_kernels.is_available()
     plain = family.engine(pack_cpu_weights=False).runner.weights_bytes  # one row-major copy of everything
     assert engine.runner.weights_bytes == plain + sum(m.extra_bytes for m in packed)
 
