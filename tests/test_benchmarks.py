@@ -1,6 +1,6 @@
-"""The GPU benchmark, the CPU attention benchmark and the engine benchmark's op profile run end to end at tiny sizes
-(they are otherwise only run by hand, the GPU one on the rare machine that has a GPU): exit code 0 and every table
-they promise is printed."""
+"""The GPU benchmark, the CPU attention and projection benchmarks and the engine benchmark's op profile run end
+to end at tiny sizes (they are otherwise only run by hand, the GPU one on the rare machine that has a GPU): exit
+code 0 and every table they promise is printed."""
 
 from __future__ import annotations
 
@@ -39,6 +39,14 @@ def test_cpu_attention_benchmark_runs() -> None:
     for variant in ("torch path, blocks shuffled", "C kernel, blocks shuffled", "hot", "C kernel, blocks in order"):
         assert variant in out
     assert "KV read per step" in out
+
+
+@pytest.mark.skipif(not cpu_kernels.is_available(), reason="the native CPU kernels do not build here")
+def test_cpu_linear_benchmark_runs() -> None:
+    out = run("benchmarks/cpu_linear.py", "--layers", "1", "--rows", "1,9", "--repeats", "1", "--mkl")
+    for path in ("oneDNN packed", "cpu_kernels", "F.linear (MKL)"):
+        assert out.count(path) == 3, path  # milliseconds, GFLOP/s and GB/s
+    assert "GFLOP/s" in out and "weight GB/s" in out
 
 
 def test_engine_throughput_profiles_the_engine_ops() -> None:
