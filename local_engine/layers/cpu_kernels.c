@@ -20,6 +20,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_HEADS 128
@@ -27,6 +28,20 @@
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK_SIZE 64
 #define PREFETCH_BLOCKS_AHEAD 2
+
+/* The widest float vector of this CPU as a GCC vector type (the projections and prefill attention): 16 lanes with
+   AVX-512, else 8 (AVX2). Loads and stores through it are unaligned (aligned(4)). */
+#ifdef __AVX512F__
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float lanes_t __attribute__((vector_size(LANES * 4), aligned(4)));
+
+static inline lanes_t lanes_load(const float *p) { return *(const lanes_t *)p; }
+static inline void lanes_store(float *p, lanes_t v) { *(lanes_t *)p = v; }
+
+int64_t unigate_vector_lanes(void) { return LANES; }
 
 int unigate_cpu_kernels_limits(int64_t *heads, int64_t *group, int64_t *head_dim, int64_t *block_size) {
     *heads = MAX_HEADS;
@@ -239,6 +254,151 @@ void unigate_paged_decode_f32(const float *q, int64_t q_stride, const float *k_c
     }
 }
 
+/* Paged prefill attention, causal: sequence s has q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s] query tokens, the
+ * last q_len of its context_lens[s] (their K and V already in the cache); its token i attends keys
+ * [0, context_len - q_len + i]. q [T, H, D] (token rows q_stride floats apart), out [T, H, D].
+ *
+ * Flash-attention style, on the CPU: one task per (sequence, KV head, PREFILL_TOKENS query tokens). A task first
+ * copies the keys its tokens can see, transposed ([D][keys], LANES keys per vector), so that the scores of a tile
+ * of up to PREFILL_ROWS query rows (token x query head of the group) against LANES keys are PREFILL_ROWS vector
+ * accumulators, one broadcast q value and one K vector per step along D: no horizontal sums. Then, per row and
+ * PREFILL_KEYS keys, an online-softmax update (keys past the row's causal limit left out) and the weighted sum of
+ * their value rows into the row's output (kept in L1). The values are read in place from the cache blocks. */
+#ifdef __AVX512F__
+#define PREFILL_ROWS 12
+#else
+#define PREFILL_ROWS 6
+#endif
+#define PREFILL_TOKENS 64
+#define PREFILL_KEYS (4 * LANES) /* keys per online-softmax update (scored LANES at a time) */
+#define PREFILL_VECS 8           /* value vectors held per pass over a row's output */
+
+static inline __attribute__((always_inline)) void prefill_scores(const int rows, const float *qs, const float *kt,
+                                                                 int64_t kpad, int64_t dim, float *sc) {
+    lanes_t acc[PREFILL_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = (lanes_t){0};
+    for (int64_t d = 0; d < dim; d++) {
+        const lanes_t k = lanes_load(kt + d * kpad);
+        for (int r = 0; r < rows; r++) acc[r] += qs[r * dim + d] * k;
+    }
+    for (int r = 0; r < rows; r++) lanes_store(sc + r * PREFILL_KEYS, acc[r]);
+}
+
+/* o[0:vecs] = o * alpha + sum_t p[t] * v_t[d0 : d0 + vecs * LANES] over the row's `valid` keys */
+static inline __attribute__((always_inline)) void prefill_values(const int vecs, float *o, float alpha, const float *p,
+                                                                 int64_t valid, const float *const *vrow, int64_t d0) {
+    lanes_t c[PREFILL_VECS];
+    for (int v = 0; v < vecs; v++) c[v] = lanes_load(o + v * LANES) * alpha;
+    for (int64_t t = 0; t < valid; t++) {
+        const float w = p[t], *vt = vrow[t] + d0;
+        for (int v = 0; v < vecs; v++) c[v] += w * lanes_load(vt + v * LANES);
+    }
+    for (int v = 0; v < vecs; v++) lanes_store(o + v * LANES, c[v]);
+}
+
+#define PREFILL_VALUES(n) case n: prefill_values(n, orow + d0, alpha, p, valid, vrow, d0); break;
+
+#define PREFILL_SCORES(n) case n: prefill_scores(n, qs, kt + j, kpad, dim, sc + (j - j0)); break;
+
+static void prefill_task(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                         const int32_t *table, int64_t context_len, int64_t q_len, int64_t first_token,
+                         int64_t num_tokens, int64_t kh, float *out, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t dim, int64_t block_size, float scale) {
+    const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * dim;
+    const int64_t past = context_len - q_len;  /* token i sees keys [0, past + i] */
+    const int64_t num_keys = past + first_token + num_tokens, kpad = (num_keys + LANES - 1) / LANES * LANES;
+    float *kt = malloc(sizeof(float) * dim * kpad);
+    if (!kt) return;
+    for (int64_t j = 0; j < kpad; j++) {
+        const float *row = j < num_keys ? k_cache + ((int64_t)table[j / block_size] * block_size + j % block_size) * token_stride + kh * dim : 0;
+        for (int64_t d = 0; d < dim; d++) kt[d * kpad + j] = row ? row[d] : 0.0f;
+    }
+    float qs[PREFILL_ROWS * MAX_HEAD_DIM], o[PREFILL_ROWS * MAX_HEAD_DIM], sc[PREFILL_ROWS * PREFILL_KEYS];
+    float running_max[PREFILL_ROWS], running_sum[PREFILL_ROWS];
+    int64_t limit[PREFILL_ROWS];
+    const float *vrow[PREFILL_KEYS];
+    const int64_t num_rows = num_tokens * group;
+    for (int64_t r0 = 0; r0 < num_rows; r0 += PREFILL_ROWS) {
+        const int rows = (int)(num_rows - r0 < PREFILL_ROWS ? num_rows - r0 : PREFILL_ROWS);
+        for (int r = 0; r < rows; r++) {
+            const int64_t i = first_token + (r0 + r) / group, h = kh * group + (r0 + r) % group;
+            const float *qr = q + i * q_stride + h * dim;
+            for (int64_t d = 0; d < dim; d++) {
+                qs[r * dim + d] = qr[d] * scale;
+                o[r * dim + d] = 0.0f;
+            }
+            limit[r] = past + i;
+            running_max[r] = -INFINITY;
+            running_sum[r] = 0.0f;
+        }
+        const int64_t keys = limit[rows - 1] + 1;  /* the tile's last row sees the most */
+        for (int64_t j0 = 0; j0 < keys; j0 += PREFILL_KEYS) {
+            const int64_t tile = keys - j0 < PREFILL_KEYS ? keys - j0 : PREFILL_KEYS;
+            for (int64_t j = j0; j < j0 + tile; j += LANES) switch (rows) {
+                PREFILL_SCORES(1) PREFILL_SCORES(2) PREFILL_SCORES(3) PREFILL_SCORES(4) PREFILL_SCORES(5)
+                PREFILL_SCORES(6)
+#if PREFILL_ROWS > 6
+                PREFILL_SCORES(7) PREFILL_SCORES(8) PREFILL_SCORES(9) PREFILL_SCORES(10) PREFILL_SCORES(11)
+                PREFILL_SCORES(12)
+#endif
+                default: break;
+            }
+            for (int64_t t = 0; t < tile; t++) {
+                const int64_t j = j0 + t;
+                vrow[t] = v_cache + ((int64_t)table[j / block_size] * block_size + j % block_size) * token_stride + kh * dim;
+            }
+            for (int r = 0; r < rows; r++) {
+                const int64_t valid = limit[r] - j0 + 1 < tile ? limit[r] - j0 + 1 : tile;
+                if (valid <= 0) continue;
+                float *p = sc + r * PREFILL_KEYS, *orow = o + r * dim, alpha;
+                running_max[r] = block_softmax(p, valid, running_max[r], &running_sum[r], &alpha);
+                for (int64_t d0 = 0; d0 < dim; d0 += PREFILL_VECS * LANES) {
+                    switch ((dim - d0 < PREFILL_VECS * LANES ? dim - d0 : PREFILL_VECS * LANES) / LANES) {
+                        PREFILL_VALUES(1) PREFILL_VALUES(2) PREFILL_VALUES(3) PREFILL_VALUES(4)
+                        PREFILL_VALUES(5) PREFILL_VALUES(6) PREFILL_VALUES(7) PREFILL_VALUES(8)
+                    default: break;
+                    }
+                }
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const int64_t i = first_token + (r0 + r) / group, h = kh * group + (r0 + r) % group;
+            const float inv = running_sum[r] > 0.0f ? 1.0f / running_sum[r] : 0.0f;
+            for (int64_t d = 0; d < dim; d++) out[(i * num_heads + h) * dim + d] = o[r * dim + d] * inv;
+        }
+    }
+    free(kt);
+}
+
+void unigate_paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                               const int32_t *block_tables, int64_t table_width, const int32_t *cu_seqlens_q,
+                               const int32_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
+                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
+    /* tasks: (sequence, KV head, chunk of PREFILL_TOKENS tokens); first[s] = index of sequence s's first task */
+    int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1));
+    if (!first) return;
+    first[0] = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s];
+        first[s + 1] = first[s] + (q_len + PREFILL_TOKENS - 1) / PREFILL_TOKENS * num_kv_heads;
+    }
+    const int64_t total = first[num_seqs];
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t it = 0; it < total; it++) {
+        const int64_t task = total - 1 - it;  /* a sequence's last chunks (the most keys) start first */
+        int64_t s = 0;
+        while (first[s + 1] <= task) s++;
+        const int64_t local = task - first[s], chunk = local / num_kv_heads, kh = local % num_kv_heads;
+        const int64_t start = cu_seqlens_q[s], q_len = cu_seqlens_q[s + 1] - start;
+        const int64_t first_token = chunk * PREFILL_TOKENS;
+        const int64_t n = q_len - first_token < PREFILL_TOKENS ? q_len - first_token : PREFILL_TOKENS;
+        prefill_task(q + start * q_stride, q_stride, k_cache, v_cache, block_tables + s * table_width, context_lens[s],
+                     q_len, first_token, n, kh, out + start * num_heads * head_dim, num_heads, num_kv_heads, head_dim,
+                     block_size, scale);
+    }
+    free(first);
+}
+
 /* Rotary embedding in place, HF rotate_half style: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) over the two
    halves of each head. q [T, num_heads, D] and k [T, num_kv_heads, D] with token rows q_stride / k_stride floats
    apart (views into the fused qkv output); cos_sin [max_positions, D] holds cos then sin of each position. */
@@ -280,15 +440,13 @@ void unigate_rotary_f32(float *q, int64_t q_stride, float *k, int64_t k_stride, 
  * Written with GCC vector extensions, so the same code is 16-lane AVX-512 where -march=native has it (3 vectors
  * x 8 rows: 24 of 32 registers) and 8-lane AVX2 otherwise (3 x 4: 12 of 16). */
 #ifdef __AVX512F__
-#define LINEAR_LANES 16
 #define LINEAR_ROWS 8
 #else
-#define LINEAR_LANES 8
 #define LINEAR_ROWS 4
 #endif
 #define LINEAR_VECS 3
+#define LINEAR_LANES LANES
 #define LINEAR_PANEL (LINEAR_VECS * LINEAR_LANES)
-typedef float lanes_t __attribute__((vector_size(LINEAR_LANES * 4), aligned(4)));
 
 int64_t unigate_linear_panel_width(void) { return LINEAR_PANEL; }
 

@@ -1,5 +1,5 @@
-"""The torch ops, with decode attention, rotary, RMSNorm, silu-and-mul and the KV cache write through the native
-CPU kernels (`cpu_kernels`) wherever they apply (prefill attention stays on torch's flash SDPA).
+"""The torch ops, with all six (prefill and decode attention, rotary, RMSNorm, silu-and-mul and the KV cache write)
+through the native CPU kernels (`cpu_kernels`) wherever they apply.
 
 Chosen by `select_ops` for the torch backend on CPU when `cpu_kernels` is on (the default) and the kernels
 build; any call they do not handle (another dtype, shapes past their limits) takes the torch path.
@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from local_engine.layers import cpu_kernels, torch_ops
-from local_engine.layers.torch_ops import paged_prefill_attention
 
 __all__ = [
     "apply_rotary",
@@ -35,6 +34,22 @@ def paged_decode_attention(
     if out is None:
         return torch_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+) -> torch.Tensor:
+    """`torch_ops.paged_prefill_attention`, reading the cache blocks in place when the kernel applies."""
+    args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale)
+    out = cpu_kernels.paged_prefill_attention(*args)
+    return torch_ops.paged_prefill_attention(*args) if out is None else out
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:

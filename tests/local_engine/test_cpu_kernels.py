@@ -85,6 +85,69 @@ def test_decode_attention_matches_the_torch_path(
     assert not got[torch.tensor(lens) == 0].any()  # an empty context attends to nothing: zeros, not NaN
 
 
+def prefill_case(
+    generator: torch.Generator,
+    contexts: list[int],
+    q_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    dim: int,
+    block_size: int,
+) -> tuple[torch.Tensor, ...]:
+    """A paged cache holding each sequence's whole context, q for its last q_len tokens as a strided view of a fused
+    qkv output, and cu_seqlens_q."""
+    _, k_cache, v_cache, tables, context = paged_case(generator, contexts, num_heads, num_kv_heads, dim, block_size)
+    total = sum(q_lens)
+    qkv = torch.randn(total, (num_heads + 2 * num_kv_heads) * dim, generator=generator)
+    q = qkv[:, : num_heads * dim].reshape(total, num_heads, dim)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k_cache, v_cache, tables, cu, context
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (8, 8, 64, 32), (16, 4, 128, 16), (16, 2, 64, 16), (8, 1, 128, 16), (4, 2, 16, 16)],
+)
+@pytest.mark.parametrize(
+    ("contexts", "q_lens"),
+    [
+        ([1, 17, 130, 64], [1, 17, 130, 64]),  # whole prompts (one token, partial blocks, several 64-token tasks)
+        ([300, 40, 7], [45, 1, 7]),  # chunked prefill / cached prefixes: the last q_len tokens of each context
+        ([600], [600]),
+        ([5, 0, 70], [5, 0, 3]),  # a sequence with no new tokens
+    ],
+)
+def test_prefill_attention_matches_the_torch_path(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, contexts: list[int], q_lens: list[int]
+) -> None:
+    generator = torch.Generator().manual_seed(sum(contexts) + num_heads * head_dim + block_size)
+    q, k_cache, v_cache, tables, cu, context = prefill_case(
+        generator, contexts, q_lens, num_heads, num_kv_heads, head_dim, block_size
+    )
+    args = (q, k_cache, v_cache, tables, cu, context, max(q_lens), head_dim**-0.5)
+    got = cpu_kernels.paged_prefill_attention(*args)
+    assert got is not None and got.shape == q.shape and not got.isnan().any()
+    expected = torch_ops.paged_prefill_attention(*args)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cpu_ops.paged_prefill_attention(*args), got)
+
+
+@needs_kernel
+def test_prefill_attention_inputs_it_does_not_handle_fall_back_to_the_torch_path() -> None:
+    generator = torch.Generator().manual_seed(2)
+    q, k_cache, v_cache, tables, cu, context = prefill_case(generator, [30, 9], [30, 4], 8, 2, 24, 16)
+    args = (q, k_cache, v_cache, tables, cu, context, 30, 0.2)  # head dim 24: not a multiple of 16 (or of 8 lanes x 2)
+    kernel = cpu_kernels.load()
+    assert kernel is not None
+    if 24 % kernel.lanes:
+        assert cpu_kernels.paged_prefill_attention(*args) is None
+    assert cpu_kernels.paged_prefill_attention(q, k_cache, v_cache, tables, cu.long(), context, 30, 0.2) is None
+    bf16 = (q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables, cu, context, 30, 0.2)
+    assert cpu_kernels.paged_prefill_attention(*bf16) is None
+    assert torch.equal(cpu_ops.paged_prefill_attention(*bf16), torch_ops.paged_prefill_attention(*bf16))
+
+
 @needs_kernel
 def test_attention_inputs_it_does_not_handle_fall_back_to_the_torch_path() -> None:
     generator = torch.Generator().manual_seed(1)
