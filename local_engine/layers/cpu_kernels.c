@@ -260,45 +260,69 @@ void unigate_paged_decode_f32(const float *q, int64_t q_stride, const float *k_c
  *
  * Flash-attention style, on the CPU: one task per (sequence, KV head, PREFILL_TOKENS query tokens). A task first
  * copies the keys its tokens can see, transposed ([D][keys], LANES keys per vector), so that the scores of a tile
- * of up to PREFILL_ROWS query rows (token x query head of the group) against LANES keys are PREFILL_ROWS vector
- * accumulators, one broadcast q value and one K vector per step along D: no horizontal sums. Then, per row and
- * PREFILL_KEYS keys, an online-softmax update (keys past the row's causal limit left out) and the weighted sum of
+ * of up to PREFILL_ROWS query rows (token x query head of the group) against PREFILL_KEYS keys are PREFILL_ROWS x 3
+ * vector accumulators, one broadcast q value per row and three K vectors per step along D: no horizontal sums, as
+ * in the projections' micro-kernel. Then, per row and tile, an online-softmax update (keys past the row's causal limit left out) and the weighted sum of
  * their value rows into the row's output (kept in L1). The values are read in place from the cache blocks. */
 #ifdef __AVX512F__
-#define PREFILL_ROWS 12
+#define PREFILL_ROWS 8
 #else
-#define PREFILL_ROWS 6
+#define PREFILL_ROWS 4
 #endif
 #define PREFILL_TOKENS 64
-#define PREFILL_KEYS (4 * LANES) /* keys per online-softmax update (scored LANES at a time) */
-#define PREFILL_VECS 8           /* value vectors held per pass over a row's output */
+#define PREFILL_KEYS (3 * LANES) /* keys per score tile and online-softmax update */
+#define PREFILL_VECS 4 /* value vectors per pass over a row's output */
+#ifdef __AVX512F__
+#define PREFILL_SHARE 3 /* rows with the same causal limit (heads of one token) that share each value row's loads */
+#else
+#define PREFILL_SHARE 2
+#endif
 
 static inline __attribute__((always_inline)) void prefill_scores(const int rows, const float *qs, const float *kt,
                                                                  int64_t kpad, int64_t dim, float *sc) {
-    lanes_t acc[PREFILL_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = (lanes_t){0};
+    lanes_t acc[PREFILL_ROWS][3];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = acc[r][2] = (lanes_t){0};
     for (int64_t d = 0; d < dim; d++) {
-        const lanes_t k = lanes_load(kt + d * kpad);
-        for (int r = 0; r < rows; r++) acc[r] += qs[r * dim + d] * k;
+        const float *kd = kt + d * kpad;
+        const lanes_t k0 = lanes_load(kd), k1 = lanes_load(kd + LANES), k2 = lanes_load(kd + 2 * LANES);
+        for (int r = 0; r < rows; r++) {
+            const float a = qs[r * dim + d];
+            acc[r][0] += a * k0;
+            acc[r][1] += a * k1;
+            acc[r][2] += a * k2;
+        }
     }
-    for (int r = 0; r < rows; r++) lanes_store(sc + r * PREFILL_KEYS, acc[r]);
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 3; j++) lanes_store(sc + r * PREFILL_KEYS + j * LANES, acc[r][j]);
 }
 
-/* o[0:vecs] = o * alpha + sum_t p[t] * v_t[d0 : d0 + vecs * LANES] over the row's `valid` keys */
-static inline __attribute__((always_inline)) void prefill_values(const int vecs, float *o, float alpha, const float *p,
-                                                                 int64_t valid, const float *const *vrow, int64_t d0) {
-    lanes_t c[PREFILL_VECS];
-    for (int v = 0; v < vecs; v++) c[v] = lanes_load(o + v * LANES) * alpha;
+/* o_i[0:vecs] = o_i * alpha_i + sum_t p_i[t] * v_t[d0 : d0 + vecs * LANES] over `valid` keys, for `rows` rows with
+   the same causal limit (rows `dim` floats apart in o, PREFILL_KEYS in p): each value vector is loaded once. */
+static inline __attribute__((always_inline)) void prefill_values(const int rows, const int vecs, float *o, int64_t dim,
+                                                                 const float *alpha, const float *p, int64_t valid,
+                                                                 const float *const *vrow, int64_t d0) {
+    lanes_t c[PREFILL_SHARE][PREFILL_VECS];
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < vecs; v++) c[r][v] = lanes_load(o + r * dim + v * LANES) * alpha[r];
     for (int64_t t = 0; t < valid; t++) {
-        const float w = p[t], *vt = vrow[t] + d0;
-        for (int v = 0; v < vecs; v++) c[v] += w * lanes_load(vt + v * LANES);
+        const float *vt = vrow[t] + d0;
+        for (int v = 0; v < vecs; v++) {
+            const lanes_t x = lanes_load(vt + v * LANES);
+            for (int r = 0; r < rows; r++) c[r][v] += p[r * PREFILL_KEYS + t] * x;
+        }
     }
-    for (int v = 0; v < vecs; v++) lanes_store(o + v * LANES, c[v]);
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < vecs; v++) lanes_store(o + r * dim + v * LANES, c[r][v]);
 }
 
-#define PREFILL_VALUES(n) case n: prefill_values(n, orow + d0, alpha, p, valid, vrow, d0); break;
+#define PREFILL_VALUES(n, v) \
+    case v: prefill_values(n, v, orow + d0, dim, alpha, p, valid, vrow, d0); break;
+#define PREFILL_VALUES_ROWS(n)                                                                                \
+    case n:                                                                                                   \
+        switch (vecs) { PREFILL_VALUES(n, 1) PREFILL_VALUES(n, 2) PREFILL_VALUES(n, 3) PREFILL_VALUES(n, 4) } \
+        break;
 
-#define PREFILL_SCORES(n) case n: prefill_scores(n, qs, kt + j, kpad, dim, sc + (j - j0)); break;
+#define PREFILL_SCORES(n) case n: prefill_scores(n, qs, kt + j0, kpad, dim, sc); break;
 
 static void prefill_task(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                          const int32_t *table, int64_t context_len, int64_t q_len, int64_t first_token,
@@ -306,7 +330,7 @@ static void prefill_task(const float *q, int64_t q_stride, const float *k_cache,
                          int64_t dim, int64_t block_size, float scale) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * dim;
     const int64_t past = context_len - q_len;  /* token i sees keys [0, past + i] */
-    const int64_t num_keys = past + first_token + num_tokens, kpad = (num_keys + LANES - 1) / LANES * LANES;
+    const int64_t num_keys = past + first_token + num_tokens, kpad = (num_keys + PREFILL_KEYS - 1) / PREFILL_KEYS * PREFILL_KEYS;
     float *kt = malloc(sizeof(float) * dim * kpad);
     if (!kt) return;
     for (int64_t j = 0; j < kpad; j++) {
@@ -334,12 +358,10 @@ static void prefill_task(const float *q, int64_t q_stride, const float *k_cache,
         const int64_t keys = limit[rows - 1] + 1;  /* the tile's last row sees the most */
         for (int64_t j0 = 0; j0 < keys; j0 += PREFILL_KEYS) {
             const int64_t tile = keys - j0 < PREFILL_KEYS ? keys - j0 : PREFILL_KEYS;
-            for (int64_t j = j0; j < j0 + tile; j += LANES) switch (rows) {
-                PREFILL_SCORES(1) PREFILL_SCORES(2) PREFILL_SCORES(3) PREFILL_SCORES(4) PREFILL_SCORES(5)
-                PREFILL_SCORES(6)
-#if PREFILL_ROWS > 6
-                PREFILL_SCORES(7) PREFILL_SCORES(8) PREFILL_SCORES(9) PREFILL_SCORES(10) PREFILL_SCORES(11)
-                PREFILL_SCORES(12)
+            switch (rows) {
+                PREFILL_SCORES(1) PREFILL_SCORES(2) PREFILL_SCORES(3) PREFILL_SCORES(4)
+#if PREFILL_ROWS > 4
+                PREFILL_SCORES(5) PREFILL_SCORES(6) PREFILL_SCORES(7) PREFILL_SCORES(8)
 #endif
                 default: break;
             }
@@ -347,18 +369,27 @@ static void prefill_task(const float *q, int64_t q_stride, const float *k_cache,
                 const int64_t j = j0 + t;
                 vrow[t] = v_cache + ((int64_t)table[j / block_size] * block_size + j % block_size) * token_stride + kh * dim;
             }
-            for (int r = 0; r < rows; r++) {
+            for (int r = 0; r < rows;) {
+                int share = 1;
+                while (share < PREFILL_SHARE && r + share < rows && limit[r + share] == limit[r]) share++;
                 const int64_t valid = limit[r] - j0 + 1 < tile ? limit[r] - j0 + 1 : tile;
-                if (valid <= 0) continue;
-                float *p = sc + r * PREFILL_KEYS, *orow = o + r * dim, alpha;
-                running_max[r] = block_softmax(p, valid, running_max[r], &running_sum[r], &alpha);
-                for (int64_t d0 = 0; d0 < dim; d0 += PREFILL_VECS * LANES) {
-                    switch ((dim - d0 < PREFILL_VECS * LANES ? dim - d0 : PREFILL_VECS * LANES) / LANES) {
-                        PREFILL_VALUES(1) PREFILL_VALUES(2) PREFILL_VALUES(3) PREFILL_VALUES(4)
-                        PREFILL_VALUES(5) PREFILL_VALUES(6) PREFILL_VALUES(7) PREFILL_VALUES(8)
-                    default: break;
+                if (valid > 0) {
+                    float *p = sc + r * PREFILL_KEYS, *orow = o + r * dim, alpha[PREFILL_SHARE];
+                    for (int i = 0; i < share; i++)
+                        running_max[r + i] = block_softmax(p + i * PREFILL_KEYS, valid, running_max[r + i],
+                                                           &running_sum[r + i], &alpha[i]);
+                    for (int64_t d0 = 0; d0 < dim; d0 += PREFILL_VECS * LANES) {
+                        const int vecs = (int)((dim - d0 < PREFILL_VECS * LANES ? dim - d0 : PREFILL_VECS * LANES) / LANES);
+                        switch (share) {
+                            PREFILL_VALUES_ROWS(1) PREFILL_VALUES_ROWS(2)
+#if PREFILL_SHARE > 2
+                            PREFILL_VALUES_ROWS(3)
+#endif
+                        default: break;
+                        }
                     }
                 }
+                r += share;
             }
         }
         for (int r = 0; r < rows; r++) {

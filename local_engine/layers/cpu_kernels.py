@@ -6,7 +6,7 @@
 - paged prefill attention (causal, chunked prefill and cached prefixes included), flash-attention style on the
   CPU: the keys a task's query tokens see copied once, transposed, so that scores are register-tiled outer products
   (no horizontal sums), values read in place from the cache; torch's flash SDPA path gathers each sequence's
-  blocks first and reaches about two thirds of its speed here;
+  blocks first and runs at about 60% of its speed here;
 - rotary embedding on q and k in place, one pass instead of a dozen small torch ops per layer;
 - projections on weights packed once into panels (`pack_linear_weight`) for decode batches and small prefill
   chunks: a stream of the weight at read bandwidth for a few rows and at the FMA units' rate for dozens, where
