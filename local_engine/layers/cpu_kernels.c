@@ -324,15 +324,15 @@ static inline __attribute__((always_inline)) void prefill_values(const int rows,
 
 #define PREFILL_SCORES(n) case n: prefill_scores(n, qs, kt + j0, kpad, dim, sc); break;
 
-static void prefill_task(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                         const int32_t *table, int64_t context_len, int64_t q_len, int64_t first_token,
-                         int64_t num_tokens, int64_t kh, float *out, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t dim, int64_t block_size, float scale) {
+static int prefill_task(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                        const int32_t *table, int64_t context_len, int64_t q_len, int64_t first_token,
+                        int64_t num_tokens, int64_t kh, float *out, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t dim, int64_t block_size, float scale) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * dim;
     const int64_t past = context_len - q_len;  /* token i sees keys [0, past + i] */
     const int64_t num_keys = past + first_token + num_tokens, kpad = (num_keys + PREFILL_KEYS - 1) / PREFILL_KEYS * PREFILL_KEYS;
     float *kt = malloc(sizeof(float) * dim * kpad);
-    if (!kt) return;
+    if (!kt) return 1;
     for (int64_t j = 0; j < kpad; j++) {
         const float *row = j < num_keys ? k_cache + ((int64_t)table[j / block_size] * block_size + j % block_size) * token_stride + kh * dim : 0;
         for (int64_t d = 0; d < dim; d++) kt[d * kpad + j] = row ? row[d] : 0.0f;
@@ -399,22 +399,24 @@ static void prefill_task(const float *q, int64_t q_stride, const float *k_cache,
         }
     }
     free(kt);
+    return 0;
 }
 
-void unigate_paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                               const int32_t *block_tables, int64_t table_width, const int32_t *cu_seqlens_q,
-                               const int32_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
-                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
+int unigate_paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                              const int32_t *block_tables, int64_t table_width, const int32_t *cu_seqlens_q,
+                              const int32_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
+                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
     /* tasks: (sequence, KV head, chunk of PREFILL_TOKENS tokens); first[s] = index of sequence s's first task */
     int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1));
-    if (!first) return;
+    if (!first) return 1;
+    int failed = 0;
     first[0] = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s];
         first[s + 1] = first[s] + (q_len + PREFILL_TOKENS - 1) / PREFILL_TOKENS * num_kv_heads;
     }
     const int64_t total = first[num_seqs];
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
     for (int64_t it = 0; it < total; it++) {
         const int64_t task = total - 1 - it;  /* a sequence's last chunks (the most keys) start first */
         int64_t s = 0;
@@ -423,11 +425,12 @@ void unigate_paged_prefill_f32(const float *q, int64_t q_stride, const float *k_
         const int64_t start = cu_seqlens_q[s], q_len = cu_seqlens_q[s + 1] - start;
         const int64_t first_token = chunk * PREFILL_TOKENS;
         const int64_t n = q_len - first_token < PREFILL_TOKENS ? q_len - first_token : PREFILL_TOKENS;
-        prefill_task(q + start * q_stride, q_stride, k_cache, v_cache, block_tables + s * table_width, context_lens[s],
-                     q_len, first_token, n, kh, out + start * num_heads * head_dim, num_heads, num_kv_heads, head_dim,
-                     block_size, scale);
+        failed |= prefill_task(q + start * q_stride, q_stride, k_cache, v_cache, block_tables + s * table_width,
+                               context_lens[s], q_len, first_token, n, kh, out + start * num_heads * head_dim,
+                               num_heads, num_kv_heads, head_dim, block_size, scale);
     }
     free(first);
+    return failed;  /* nonzero: a task's scratch could not be allocated (its rows are not written) */
 }
 
 /* Rotary embedding in place, HF rotate_half style: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) over the two

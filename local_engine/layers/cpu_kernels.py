@@ -150,7 +150,7 @@ def load() -> Kernel | None:
     widths = (library.unigate_linear_panel_width(), library.unigate_vector_lanes())
     prefill = library.unigate_paged_prefill_f32
     prefill.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float]
-    prefill.restype = None
+    prefill.restype = ctypes.c_int
     return Kernel(
         decode, rotary, linear, rms_norm, silu_and_mul, store_kv, *(x.value for x in limits), *widths, prefill
     )
@@ -231,7 +231,8 @@ def paged_prefill_attention(
     scale: float,
 ) -> torch.Tensor | None:
     """The signature of `torch_ops.paged_prefill_attention`; None when the kernel is unavailable or the inputs are
-    outside what it handles (head dims that are not a multiple of the vector width included)."""
+    outside what it handles (head dims that are not a multiple of the vector width included). Raises MemoryError
+    when the kernel cannot allocate its scratch (a task's transposed keys) rather than return unwritten rows."""
     del max_seqlen_q  # the kernel splits each sequence into tasks itself
     kernel = load()
     if (
@@ -245,24 +246,24 @@ def paged_prefill_attention(
         return None
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype)
-    if num_tokens:
-        kernel.prefill(
-            q.data_ptr(),
-            q.stride(0),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            block_tables.data_ptr(),
-            block_tables.shape[1],
-            cu_seqlens_q.data_ptr(),
-            context_lens.data_ptr(),
-            out.data_ptr(),
-            context_lens.shape[0],
-            num_heads,
-            k_cache.shape[2],
-            head_dim,
-            k_cache.shape[1],
-            scale,
-        )
+    if num_tokens and kernel.prefill(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        cu_seqlens_q.data_ptr(),
+        context_lens.data_ptr(),
+        out.data_ptr(),
+        context_lens.shape[0],
+        num_heads,
+        k_cache.shape[2],
+        head_dim,
+        k_cache.shape[1],
+        scale,
+    ):
+        raise MemoryError("prefill attention: out of memory for a task's transposed keys")
     return out
 
 
