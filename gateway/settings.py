@@ -36,6 +36,7 @@ class EngineSettings(BaseModel):
     enforce_eager: bool = False  # disable CUDA graphs
     pack_cpu_weights: bool = True  # CPU: oneDNN GEMMs on pre-packed weights (False: plain torch.nn.Linear)
     cpu_kernels: bool = True  # CPU: decode attention and rotary in C kernels built at start-up (False: torch)
+    cpu_fused_decode: bool = True  # CPU, with cpu_kernels: a decode step's decoder stack in one native call
 
 
 class LimitSettings(BaseModel):

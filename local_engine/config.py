@@ -158,6 +158,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no decode CUDA graphs (they need a GPU and the Triton backend anyway)
     pack_cpu_weights: bool = True  # CPU: projections through oneDNN on pre-packed weights (layers/linear.py)
     cpu_kernels: bool = True  # CPU: decode attention and rotary in the C kernels of layers/cpu_kernels.py
+    cpu_fused_decode: bool = True  # CPU, with the above: a decode step's decoder stack in one native call
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -189,6 +190,7 @@ class EngineConfig:
             enforce_eager=settings.enforce_eager,
             pack_cpu_weights=settings.pack_cpu_weights,
             cpu_kernels=settings.cpu_kernels,
+            cpu_fused_decode=settings.cpu_fused_decode,
         )
 
     def resolved_device(self, is_cuda_available: bool) -> str:

@@ -262,6 +262,7 @@ class LLMEngine:
             "dtype": self.runner.dtype_name,
             "attention_backend": self.runner.attention_backend,
             "ops": self.runner.ops_name,  # torch_ops, cpu_ops (native CPU kernels) or kernels (Triton)
+            "fused_cpu_decode": self.runner.cpu_decoder is not None,  # decode steps in one native call (CPU)
             "num_running_seqs": len(scheduler.running),
             "num_waiting_seqs": len(scheduler.waiting),
             "num_preempted_seqs": sum(1 for s in scheduler.waiting if s.num_preemptions),

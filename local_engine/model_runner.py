@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from local_engine.config import EngineConfig, KVCapacity, ModelConfig
+from local_engine.cpu_decode import CpuDecoder
 from local_engine.cuda_graphs import DecodeGraphs, capture_sizes
 from local_engine.layers import cpu_kernels
 from local_engine.layers.attention import Attention, AttentionMetadata
@@ -107,6 +108,7 @@ class ModelRunner:
         self.capacity = self._plan_kv_cache()
         self.kv_cache = self._allocate_kv_cache(self.capacity.num_blocks)
         self.graphs = self._build_graphs()
+        self.cpu_decoder = self._build_cpu_decoder()
         logger.info(
             "engine ready in %.1fs: %s %s on %s, attention=%s, cuda graphs %s; memory: weights %.0f MiB, "
             "activations peak %s, KV cache %.0f MiB (%d blocks x %d tokens = %d tokens)",
@@ -240,6 +242,13 @@ class ModelRunner:
             torch.cuda.empty_cache()
             return None
 
+    def _build_cpu_decoder(self) -> CpuDecoder | None:
+        """Decode steps in one native call (`cpu_decode.py`) on CPU, float32, with the native kernels and the
+        projections in their panels, unless `cpu_fused_decode` is off."""
+        if self.device.type != "cpu" or not self.engine_config.cpu_fused_decode or self.num_packed_linears == 0:
+            return None
+        return CpuDecoder.build(self.model, NATIVE_MAX_ROWS)
+
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]  # in layer order
 
@@ -336,6 +345,8 @@ class ModelRunner:
         input_ids, positions, meta, logits_indices = self.prepare(batch)
         if self.graphs is not None and self.graphs.can_run(meta, input_ids.shape[0]):
             hidden = self.graphs.run(input_ids, positions, meta)
+        elif self.cpu_decoder is not None and self.cpu_decoder.can_run(meta, input_ids.shape[0]):
+            hidden = self.cpu_decoder.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
         if logits_indices.shape[0] != hidden.shape[0]:  # rows are increasing: as many rows means all of them

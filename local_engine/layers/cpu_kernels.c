@@ -237,21 +237,32 @@ static void decode_one(const float *q, const float *k_cache, const float *v_cach
     }
 }
 
-void unigate_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                              const int32_t *block_tables, const int32_t *context_lens, float *out, int64_t num_seqs,
-                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                              int64_t table_width, float scale) {
+/* The decode tasks of one call, shared out among the threads of the enclosing parallel region (an orphaned
+   `omp for`: the exported kernel below opens the region; the fused decoder calls it inside its own). */
+static void decode_tasks(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                         const int32_t *block_tables, const int32_t *context_lens, float *out, int64_t num_seqs,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                         int64_t table_width, float scale) {
     /* Whole sequences per task when there are enough of them to keep every thread busy; else one task per
        (sequence, KV head), so batch 1 uses every thread too. */
-    const int64_t split_heads = num_seqs < 2 * omp_get_max_threads() ? num_kv_heads : 1;
+    const int64_t split_heads = num_seqs < 2 * omp_get_num_threads() ? num_kv_heads : 1;
     const int64_t heads_per_task = num_kv_heads / split_heads;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_seqs * split_heads; task++) {
         const int64_t b = task / split_heads, kh_first = (task % split_heads) * heads_per_task;
         decode_one(q + b * q_stride, k_cache, v_cache, block_tables + b * table_width, context_lens[b],
                    out + b * num_heads * head_dim, num_heads, num_kv_heads, head_dim, block_size, scale, kh_first,
                    kh_first + heads_per_task);
     }
+}
+
+void unigate_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                              const int32_t *block_tables, const int32_t *context_lens, float *out, int64_t num_seqs,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                              int64_t table_width, float scale) {
+#pragma omp parallel
+    decode_tasks(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, num_seqs, num_heads, num_kv_heads,
+                 head_dim, block_size, table_width, scale);
 }
 
 /* Paged prefill attention, causal: sequence s has q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s] query tokens, the
@@ -448,15 +459,22 @@ static void rotate_heads(float *x, int64_t num_heads, int64_t dim, const float *
     }
 }
 
-void unigate_rotary_f32(float *q, int64_t q_stride, float *k, int64_t k_stride, const int64_t *positions,
+static void rotary_rows(float *q, int64_t q_stride, float *k, int64_t k_stride, const int64_t *positions,
                         const float *cos_sin, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim) {
-#pragma omp parallel for schedule(static) if (num_tokens * (num_heads + num_kv_heads) * head_dim > (1 << 16))
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < num_tokens; t++) {
         const float *cos = cos_sin + positions[t] * head_dim, *sin = cos + head_dim / 2;
         rotate_heads(q + t * q_stride, num_heads, head_dim, cos, sin);
         rotate_heads(k + t * k_stride, num_kv_heads, head_dim, cos, sin);
     }
+}
+
+void unigate_rotary_f32(float *q, int64_t q_stride, float *k, int64_t k_stride, const int64_t *positions,
+                        const float *cos_sin, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim) {
+#pragma omp parallel if (num_tokens * (num_heads + num_kv_heads) * head_dim > (1 << 16))
+    rotary_rows(q, q_stride, k, k_stride, positions, cos_sin, num_tokens, num_heads, num_kv_heads, head_dim);
 }
 
 /* y[M, N] = x[M, K] W[N, K]^T (+ bias), W packed once at load time into panels of LINEAR_PANEL output features:
@@ -519,13 +537,14 @@ static inline __attribute__((always_inline)) void linear_tile(const int rows, co
 #define LINEAR_TILE(n) \
     case n: linear_tile(n, xr, ldx, panel, k_dim, y + r * n_dim + p * LINEAR_PANEL, n_dim, cols, b, next, step); break;
 
-void unigate_linear_f32(const float *x, int64_t ldx, int64_t m, const float *packed, int64_t n_dim, int64_t k_dim,
-                        const float *bias, float *y) {
+/* The panels of one projection, a contiguous range per thread of the enclosing parallel region (no barrier at
+   the end: a caller that reads y next waits for the other threads itself). */
+static void linear_panels(const float *x, int64_t ldx, int64_t m, const float *packed, int64_t n_dim, int64_t k_dim,
+                          const float *bias, float *y) {
     const int64_t panels = (n_dim + LINEAR_PANEL - 1) / LINEAR_PANEL;
     const int64_t tiles = (m + LINEAR_ROWS - 1) / LINEAR_ROWS;
     /* bytes of the next panel to prefetch per K step of each tile: the whole panel over all the tiles */
     const int64_t step = tiles ? (LINEAR_PANEL * 4 + tiles - 1) / tiles : 0;
-#pragma omp parallel
     {
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t first = panels * t / threads, last = panels * (t + 1) / threads;
@@ -547,45 +566,58 @@ void unigate_linear_f32(const float *x, int64_t ldx, int64_t m, const float *pac
     }
 }
 
+void unigate_linear_f32(const float *x, int64_t ldx, int64_t m, const float *packed, int64_t n_dim, int64_t k_dim,
+                        const float *bias, float *y) {
+#pragma omp parallel
+    linear_panels(x, ldx, m, packed, n_dim, k_dim, bias, y);
+}
+
 /* RMSNorm over rows of `dim` floats, HF's math in float32: out = x * rsqrt(mean(x^2) + eps) * weight. With
  * `residual`, x + residual is normalised and also written back to `residual` (the running sum between layers);
  * `out` may be `x` (in place). Rows are `x_stride` / `out_stride` floats apart (residual rows are contiguous).
  * The sum of squares runs in 8 lanes, then a horizontal add. */
+static inline void norm_row(float *xr, float *res, const float *weight, float *o, int64_t dim, float eps) {
+    __m256 squares = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 8 <= dim; d += 8) {
+        __m256 v = _mm256_loadu_ps(xr + d);
+        if (res) {
+            v = _mm256_add_ps(v, _mm256_loadu_ps(res + d));
+            _mm256_storeu_ps(res + d, v);
+        }
+        squares = _mm256_fmadd_ps(v, v, squares);
+    }
+    float sum = hsum8(squares);
+    for (; d < dim; d++) {
+        const float v = res ? (res[d] += xr[d]) : xr[d];
+        sum += v * v;
+    }
+    const float *src = res ? res : xr;
+    const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (d = 0; d + 8 <= dim; d += 8)
+        _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(weight + d), _mm256_mul_ps(_mm256_loadu_ps(src + d), vinv)));
+    for (; d < dim; d++) o[d] = weight[d] * (src[d] * inv);
+}
+
+static void rms_norm_rows(float *x, int64_t x_stride, float *residual, const float *weight, float *out,
+                          int64_t out_stride, int64_t num_rows, int64_t dim, float eps) {
+#pragma omp for schedule(static)
+    for (int64_t row = 0; row < num_rows; row++)
+        norm_row(x + row * x_stride, residual ? residual + row * dim : 0, weight, out + row * out_stride, dim, eps);
+}
+
 void unigate_rms_norm_f32(float *x, int64_t x_stride, float *residual, const float *weight, float *out,
                           int64_t out_stride, int64_t num_rows, int64_t dim, float eps) {
-#pragma omp parallel for schedule(static) if (num_rows * dim > (1 << 15))
-    for (int64_t row = 0; row < num_rows; row++) {
-        float *xr = x + row * x_stride, *o = out + row * out_stride;
-        float *res = residual ? residual + row * dim : 0;
-        __m256 squares = _mm256_setzero_ps();
-        int64_t d = 0;
-        for (; d + 8 <= dim; d += 8) {
-            __m256 v = _mm256_loadu_ps(xr + d);
-            if (res) {
-                v = _mm256_add_ps(v, _mm256_loadu_ps(res + d));
-                _mm256_storeu_ps(res + d, v);
-            }
-            squares = _mm256_fmadd_ps(v, v, squares);
-        }
-        float sum = hsum8(squares);
-        for (; d < dim; d++) {
-            const float v = res ? (res[d] += xr[d]) : xr[d];
-            sum += v * v;
-        }
-        const float *src = res ? res : xr;
-        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
-        const __m256 vinv = _mm256_set1_ps(inv);
-        for (d = 0; d + 8 <= dim; d += 8)
-            _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(weight + d), _mm256_mul_ps(_mm256_loadu_ps(src + d), vinv)));
-        for (; d < dim; d++) o[d] = weight[d] * (src[d] * inv);
-    }
+#pragma omp parallel if (num_rows * dim > (1 << 15))
+    rms_norm_rows(x, x_stride, residual, weight, out, out_stride, num_rows, dim, eps);
 }
 
 /* silu(gate) * up over the two halves of each row of x [T, 2 * inter] (the fused gate/up projection), written
  * over the gate half: silu(g) = g / (1 + exp(-g)), exp by the same polynomial as the softmax (inputs clamped
  * to [-87, 88], where float32 exp neither underflows nor overflows). */
-void unigate_silu_and_mul_f32(float *x, int64_t x_stride, int64_t num_rows, int64_t inter) {
-#pragma omp parallel for schedule(static) if (num_rows * inter > (1 << 15))
+static void silu_and_mul_rows(float *x, int64_t x_stride, int64_t num_rows, int64_t inter) {
+#pragma omp for schedule(static)
     for (int64_t row = 0; row < num_rows; row++) {
         float *gate = x + row * x_stride;
         const float *up = gate + inter;
@@ -600,6 +632,11 @@ void unigate_silu_and_mul_f32(float *x, int64_t x_stride, int64_t num_rows, int6
     }
 }
 
+void unigate_silu_and_mul_f32(float *x, int64_t x_stride, int64_t num_rows, int64_t inter) {
+#pragma omp parallel if (num_rows * inter > (1 << 15))
+    silu_and_mul_rows(x, x_stride, num_rows, inter);
+}
+
 /* k, v [T, KVH * D] rows (token rows `k_stride` / `v_stride` floats apart: views into the fused qkv output)
  * into their cache slots [num_slots, KVH * D]; slot -1 skips the token. */
 void unigate_store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_cache,
@@ -610,5 +647,79 @@ void unigate_store_kv_f32(const float *k, int64_t k_stride, const float *v, int6
         if (slot < 0) continue;
         memcpy(k_cache + slot * row, k + t * k_stride, row * sizeof(float));
         memcpy(v_cache + slot * row, v + t * v_stride, row * sizeof(float));
+    }
+}
+
+/* The decoder stack of a Llama-family model for one decode step, in one call and one parallel region: per layer,
+ * RMSNorm (with the residual add) -> qkv projection -> per-head q/k RMSNorm (Qwen3) and rotary -> KV cache write
+ * -> paged decode attention -> o projection -> RMSNorm -> gate/up projection -> silu-and-mul -> down projection;
+ * then the final RMSNorm. The same kernels as the per-op calls above, in the same order, so the result equals the
+ * model's op-by-op forward bit for bit; what goes is the per-op cost between them (a Python call, argument
+ * checks, a new output tensor and an OpenMP fork/join for each of ~10 ops per layer), which at decode sizes is a
+ * large share of a step. Threads wait for each other only where the next phase reads what the last one wrote.
+ *
+ * Weights: each projection in the panel layout of `unigate_linear_f32` (biases optional, per layer), norms'
+ * weights as rows. `res` holds the step's token embeddings [B, hidden] on entry and the residual stream after;
+ * `out` [B, hidden] gets the final normalised hidden states. `scratch` holds B x (hidden + qkv + H*D + hidden +
+ * 2 * inter) floats. Positions, slots, block tables and context lengths as in the per-op kernels. */
+typedef struct {
+    int64_t num_layers, hidden, inter, num_heads, num_kv_heads, head_dim, block_size;
+    float eps, scale;
+    const float *const *input_norm, *const *post_norm, *const *q_norm, *const *k_norm;
+    const float *const *qkv, *const *qkv_bias, *const *o, *const *o_bias, *const *gate_up, *const *down;
+    float *const *k_cache, *const *v_cache;
+    const float *final_norm, *cos_sin;
+} unigate_decoder_t;
+
+void unigate_decode_layers_f32(const unigate_decoder_t *m, int64_t num_rows, float *res, float *out,
+                               const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
+                               const int32_t *context_lens, int64_t table_width, float *scratch) {
+    const int64_t hidden = m->hidden, dim = m->head_dim, heads = m->num_heads, kv_heads = m->num_kv_heads;
+    const int64_t q_size = heads * dim, kv_size = kv_heads * dim, qkv_size = q_size + 2 * kv_size;
+    float *normed = scratch, *qkv = normed + num_rows * hidden, *attn = qkv + num_rows * qkv_size;
+    float *sub = attn + num_rows * q_size, *gate_up = sub + num_rows * hidden;
+#pragma omp parallel
+    {
+        for (int64_t l = 0; l < m->num_layers; l++) {
+            /* the first layer normalises the embeddings; later ones add the last sublayer's output first */
+            rms_norm_rows(l ? sub : res, hidden, l ? res : 0, m->input_norm[l], normed, hidden, num_rows, hidden,
+                          m->eps);
+            linear_panels(normed, hidden, num_rows, m->qkv[l], qkv_size, hidden, m->qkv_bias ? m->qkv_bias[l] : 0,
+                          qkv);
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < num_rows; t++) {
+                float *q = qkv + t * qkv_size, *k = q + q_size;
+                if (m->q_norm) {
+                    /* one row per head, by the per-op kernel's loop (no other thread touches this token) */
+                    for (int64_t h = 0; h < heads; h++) {
+                        float *row = q + h * dim;
+                        norm_row(row, 0, m->q_norm[l], row, dim, m->eps);
+                    }
+                    for (int64_t h = 0; h < kv_heads; h++) {
+                        float *row = k + h * dim;
+                        norm_row(row, 0, m->k_norm[l], row, dim, m->eps);
+                    }
+                }
+                const float *cos = m->cos_sin + positions[t] * dim, *sin = cos + dim / 2;
+                rotate_heads(q, heads, dim, cos, sin);
+                rotate_heads(k, kv_heads, dim, cos, sin);
+                if (slots[t] >= 0) {
+                    memcpy(m->k_cache[l] + slots[t] * kv_size, k, kv_size * sizeof(float));
+                    memcpy(m->v_cache[l] + slots[t] * kv_size, k + kv_size, kv_size * sizeof(float));
+                }
+            }
+            decode_tasks(qkv, qkv_size, m->k_cache[l], m->v_cache[l], block_tables, context_lens, attn, num_rows,
+                         heads, kv_heads, dim, m->block_size, table_width, m->scale);
+            linear_panels(attn, q_size, num_rows, m->o[l], hidden, q_size, m->o_bias ? m->o_bias[l] : 0, sub);
+#pragma omp barrier
+            rms_norm_rows(sub, hidden, res, m->post_norm[l], normed, hidden, num_rows, hidden, m->eps);
+            linear_panels(normed, hidden, num_rows, m->gate_up[l], 2 * m->inter, hidden, 0, gate_up);
+#pragma omp barrier
+            silu_and_mul_rows(gate_up, 2 * m->inter, num_rows, m->inter);
+            linear_panels(gate_up, 2 * m->inter, num_rows, m->down[l], hidden, m->inter, 0, sub);
+#pragma omp barrier
+        }
+        rms_norm_rows(sub, hidden, res, m->final_norm, out, hidden, num_rows, hidden, m->eps);
     }
 }

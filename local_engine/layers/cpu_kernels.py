@@ -13,7 +13,9 @@
   oneDNN's and MKL's small-M paths reach about half of either (`layers/linear.py` calls it up to
   `linear.NATIVE_MAX_ROWS` rows);
 - RMSNorm with its residual add, silu-and-mul and the KV cache write, one pass over the data each, where the
-  torch ops take several (and a fresh tensor per step) for each.
+  torch ops take several (and a fresh tensor per step) for each;
+- the whole decoder stack of a decode step in one call (`DecoderWeights`, `Kernel.decode_layers`: the kernels
+  above in one OpenMP region, used by `local_engine/cpu_decode.py`).
 
 The kernels are compiled on first use with the machine's C compiler (`$CC`, else `cc`; `-O3 -march=native
 -fopenmp`: AVX2 and FMA intrinsics) into `$XDG_CACHE_HOME/unigate/kernels` (default `~/.cache/...`), keyed by the
@@ -40,6 +42,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "DecoderWeights",
     "apply_rotary",
     "is_available",
     "linear",
@@ -58,6 +61,23 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared")
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
+_PP = ctypes.POINTER(ctypes.c_void_p)
+
+
+class DecoderWeights(ctypes.Structure):
+    """`unigate_decoder_t`: a model's shape and, per layer, pointers to its weights (projections as panels) and KV
+    cache views. Null arrays: no q/k norm, no qkv or o bias."""
+
+    _fields_ = [
+        *((name, _I) for name in ("num_layers", "hidden", "inter", "num_heads", "num_kv_heads", "head_dim")),
+        ("block_size", _I),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        *((name, _PP) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias")),
+        *((name, _PP) for name in ("gate_up", "down", "k_cache", "v_cache")),
+        ("final_norm", _P),
+        ("cos_sin", _P),
+    ]
 
 
 def _cache_dir() -> Path:
@@ -105,6 +125,7 @@ class Kernel:
     panel_width: int  # output features per panel of a packed projection weight (`pack_linear_weight`)
     lanes: int  # floats per vector: 16 with AVX-512, else 8 (prefill attention takes head dims that are multiples)
     prefill: ctypes._CFuncPtr  # type: ignore[name-defined]
+    decode_layers: ctypes._CFuncPtr  # type: ignore[name-defined]
 
 
 @functools.cache
@@ -151,8 +172,20 @@ def load() -> Kernel | None:
     prefill = library.unigate_paged_prefill_f32
     prefill.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float]
     prefill.restype = ctypes.c_int
+    decode_layers = library.unigate_decode_layers_f32
+    decode_layers.argtypes = [ctypes.POINTER(DecoderWeights), _I, _P, _P, _P, _P, _P, _P, _I, _P]
+    decode_layers.restype = None
     return Kernel(
-        decode, rotary, linear, rms_norm, silu_and_mul, store_kv, *(x.value for x in limits), *widths, prefill
+        decode,
+        rotary,
+        linear,
+        rms_norm,
+        silu_and_mul,
+        store_kv,
+        *(x.value for x in limits),
+        *widths,
+        prefill,
+        decode_layers,
     )
 
 

@@ -1,0 +1,164 @@
+"""Decode steps on the CPU in one native call: the whole decoder stack of a pure-decode batch at once.
+
+The CPU counterpart of `cuda_graphs.py`. A decode step of a small model on a CPU is a few hundred small calls:
+per layer two RMSNorms, four projections, rotary, the KV cache write, attention and silu-and-mul, each a Python
+call with its argument checks, a fresh output tensor and an OpenMP fork/join. At decode sizes (a few dozen rows)
+that cost is a large share of the step: SmolLM2-135M's RMSNorm over 31 rows took 72 us per call inside a step,
+16 us on its own. `unigate_decode_layers_f32` (layers/cpu_kernels.c) runs the same kernels, in the same order
+and on the same data, inside one parallel region, so the hidden states it returns equal the op-by-op forward's
+bit for bit (the tests check it); the embedding lookup before it and the logits after it stay in torch.
+
+It applies to float32 models on CPU with the native kernels on and every projection kept in the native kernel's
+panels (`layers/linear.py`, `PackedLinear` with `native_max_rows`), to pure-decode batches of at most that many
+rows. Anything else (prefill and mixed steps, larger batches, other dtypes) takes the model's forward.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from local_engine.layers import cpu_kernels
+from local_engine.layers.attention import AttentionMetadata
+from local_engine.layers.linear import PackedLinear
+from local_engine.models.llama import LlamaForCausalLM
+
+__all__ = ["CpuDecoder"]
+
+logger = logging.getLogger("unigate.engine")
+
+
+def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array[ctypes.c_void_p]:
+    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+
+class CpuDecoder:
+    """The model's weights as the native decoder reads them, plus scratch for `max_rows` rows."""
+
+    def __init__(self, model: LlamaForCausalLM, kernel: cpu_kernels.Kernel, max_rows: int) -> None:
+        self.kernel = kernel
+        self.max_rows = max_rows
+        config = model.config
+        layers = list(model.model.layers)
+        attn0 = layers[0].self_attn
+        self.embed = model.model.embed_tokens.weight
+        self.hidden = config.hidden_size
+        qkv_size = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+        q_size = config.num_attention_heads * config.head_dim
+        self.scratch = torch.empty(
+            max_rows * (2 * self.hidden + qkv_size + q_size + 2 * config.intermediate_size), dtype=torch.float32
+        )
+
+        def proj(name: str) -> list[PackedLinear]:
+            return [getattr(layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp, name) for layer in layers]
+
+        def panels(name: str) -> list[torch.Tensor]:
+            return [p.panels for p in proj(name) if p.panels is not None]
+
+        def biases(name: str) -> ctypes.Array[ctypes.c_void_p] | None:
+            found = [p.bias for p in proj(name)]
+            return None if found[0] is None else _pointers([b for b in found if b is not None])
+
+        norms = [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in layers]
+        # The pointer arrays the struct points at, kept alive with it; the tensors are the model's and the KV
+        # cache's own, which live as long as the model runner does.
+        self._arrays = {
+            "input_norm": _pointers([layer.input_layernorm.weight for layer in layers]),
+            "post_norm": _pointers([layer.post_attention_layernorm.weight for layer in layers]),
+            "q_norm": None if attn0.q_norm is None else _pointers([q.weight for q, _ in norms if q is not None]),
+            "k_norm": None if attn0.k_norm is None else _pointers([k.weight for _, k in norms if k is not None]),
+            "qkv": _pointers(panels("qkv_proj")),
+            "qkv_bias": biases("qkv_proj"),
+            "o": _pointers(panels("o_proj")),
+            "o_bias": biases("o_proj"),
+            "gate_up": _pointers(panels("gate_up_proj")),
+            "down": _pointers(panels("down_proj")),
+            "k_cache": _pointers([layer.self_attn.attn.k_cache for layer in layers]),
+            "v_cache": _pointers([layer.self_attn.attn.v_cache for layer in layers]),
+        }
+        self._caches = [(layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache) for layer in layers]
+        self.weights = cpu_kernels.DecoderWeights(
+            num_layers=len(layers),
+            hidden=self.hidden,
+            inter=config.intermediate_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            block_size=attn0.attn.k_cache.shape[1],
+            eps=config.rms_norm_eps,
+            scale=attn0.attn.scale,
+            final_norm=model.model.norm.weight.data_ptr(),
+            cos_sin=model.cos_sin_cache.data_ptr(),
+            **{name: ctypes.cast(array, ctypes.POINTER(ctypes.c_void_p)) for name, array in self._arrays.items()},
+        )
+        self._model = model
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM, max_rows: int) -> CpuDecoder | None:
+        """The decoder for a model whose every part it handles (see the module's docstring); None, with the reason
+        logged at debug level, otherwise."""
+        kernel = cpu_kernels.load()
+        reason = "the native CPU kernels are unavailable" if kernel is None else _unsupported(model, kernel, max_rows)
+        if reason is not None or kernel is None:
+            logger.debug("decode steps run op by op: %s", reason)
+            return None
+        return cls(model, kernel, max_rows)
+
+    def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """A pure-decode batch (one token per sequence) of at most `max_rows` sequences."""
+        return meta.num_decode_tokens == num_tokens and 0 < num_tokens <= self.max_rows
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states [B, hidden] of a pure-decode batch, as `model(input_ids, positions, meta)`."""
+        tables, context_lens = meta.decode_block_tables, meta.decode_context_lens
+        assert tables is not None and context_lens is not None
+        assert all(t.is_contiguous() for t in (input_ids, positions, meta.slot_mapping, tables, context_lens))
+        assert tables.dtype == context_lens.dtype == torch.int32 and positions.dtype == meta.slot_mapping.dtype
+        assert self._model.model.layers[0].self_attn.attn.k_cache is self._caches[0][0], "the KV cache moved"
+        num_rows = input_ids.shape[0]
+        residual = torch.index_select(self.embed, 0, input_ids)  # the residual stream starts as the embeddings
+        out = torch.empty((num_rows, self.hidden), dtype=torch.float32)
+        self.kernel.decode_layers(
+            ctypes.byref(self.weights),
+            num_rows,
+            residual.data_ptr(),
+            out.data_ptr(),
+            positions.data_ptr(),
+            meta.slot_mapping.data_ptr(),
+            tables.data_ptr(),
+            context_lens.data_ptr(),
+            tables.shape[1],
+            self.scratch.data_ptr(),
+        )
+        return out
+
+
+def _unsupported(model: LlamaForCausalLM, kernel: cpu_kernels.Kernel, max_rows: int) -> str | None:
+    """Why the native decoder cannot run this model, or None when it can."""
+    config = model.config
+    if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in model.parameters()):
+        return "the weights are not float32 on CPU"
+    for layer in model.model.layers:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            if not isinstance(linear, PackedLinear) or linear.panels is None or linear.native_max_rows < max_rows:
+                return "the projections are not packed in the native kernel's panels"
+        attn = layer.self_attn.attn
+        if not (attn.k_cache.dim() == 4 and attn.k_cache.is_contiguous() and attn.v_cache.is_contiguous()):
+            return "the KV cache is not allocated"
+    group = config.num_attention_heads // config.num_key_value_heads
+    block_size = model.model.layers[0].self_attn.attn.k_cache.shape[1]
+    if not (
+        config.num_attention_heads <= kernel.max_heads
+        and group <= kernel.max_group
+        and config.head_dim % 8 == 0
+        and config.head_dim <= kernel.max_head_dim
+        and block_size <= kernel.max_block_size
+    ):
+        return "the attention shape is past the decode kernel's limits"
+    cos_sin = model.cos_sin_cache
+    if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous() or cos_sin.shape[1] != config.head_dim:
+        return "the rotary table is not float32 [positions, head_dim]"
+    return None
