@@ -13,7 +13,9 @@ Workload: N requests with prompt lengths uniform in [32, 600] tokens and output 
 Greedy decoding everywhere, float32 by default (the figures the issue asks for).
 
 `--profile-ops` also prints where the engine's run went: seconds in each of the engine's ops, the projections,
-the logits and the sampler (timers wrapped around them for that run only).
+the logits and the sampler (timers wrapped around them for that run only). Decode steps that run the decoder stack
+in one native call (`local_engine/cpu_decode.py`, on by default on CPU) count as one item, their ops unseen;
+`--no-fused-decode` times them op by op.
 """
 
 from __future__ import annotations
@@ -132,7 +134,8 @@ OP_NAMES = (
 @contextmanager
 def op_timers(engine: LLMEngine) -> Iterator[Counter[str]]:
     """Seconds spent in each engine op, the projections (every call of the model's linear class, the output
-    projection included), the logits and the sampler while the block runs; the wrappers are removed after it."""
+    projection included), the logits, the sampler and the native decode steps while the block runs; the wrappers
+    are removed after it."""
     totals: Counter[str] = Counter()
 
     def timed(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -155,6 +158,8 @@ def op_timers(engine: LLMEngine) -> Iterator[Counter[str]]:
         (model, "compute_logits", "logits"),
         (sampler_class, "__call__", "sampler"),
     ]
+    if engine.runner.cpu_decoder is not None:  # decode steps in one native call: their ops are not seen one by one
+        patches.append((engine.runner.cpu_decoder, "run", "decode steps (cpu_decode)"))
     saved = [(owner, name, owner.__dict__.get(name), getattr(owner, name)) for owner, name, _ in patches]
     for (owner, name, label), (*_, fn) in zip(patches, saved, strict=True):
         setattr(owner, name, timed(label, fn))
@@ -288,6 +293,11 @@ def main() -> None:
         action="store_true",
         help="torch ops instead of the native CPU kernels (decode attention, rotary)",
     )
+    parser.add_argument(
+        "--no-fused-decode",
+        action="store_true",
+        help="decode steps op by op instead of the decoder stack in one native call (cpu_decode.py)",
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -310,6 +320,7 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         pack_cpu_weights=not args.no_pack_cpu_weights,
         cpu_kernels=not args.no_cpu_kernels,
+        cpu_fused_decode=not args.no_fused_decode,
     )
     engine = LLMEngine.from_checkpoint(checkpoint, config)
     print(f"KV cache: {engine.capacity.as_dict()}")

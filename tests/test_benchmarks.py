@@ -49,10 +49,14 @@ def test_cpu_linear_benchmark_runs() -> None:
     assert "GFLOP/s" in out and "weight GB/s" in out
 
 
-def test_engine_throughput_profiles_the_engine_ops() -> None:
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-decode", "op-by-op"])
+def test_engine_throughput_profiles_the_engine_ops(fused: bool) -> None:
     # The bundled model (installed by `make`); its converted weights are cached under .unigate/models.
-    out = run("benchmarks/engine_throughput.py", "--quick", "--skip-hf", "--num-requests", "2", "--profile-ops")
+    flags = [] if fused else ["--no-fused-decode"]
+    out = run("benchmarks/engine_throughput.py", "--quick", "--skip-hf", "--num-requests", "2", "--profile-ops", *flags)
     assert "where the engine's" in out
-    for label in ("projections", "logits", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "sampler"):
+    # With the decode steps in one native call (the default where the kernels build) they are one item.
+    decode = "decode steps (cpu_decode)" if fused and cpu_kernels.is_available() else "paged_decode_attention"
+    for label in ("projections", "logits", decode, "paged_prefill_attention", "rms_norm", "sampler"):
         assert f"  {label} " in out, label
     assert "unigate engine  TTFT" in out  # the batch-1 run after it, on the unwrapped ops
