@@ -1,8 +1,10 @@
 /* The local engine's native CPU kernels, float32: paged decode attention reading the KV cache blocks in place
  * (no gather copy), rotary embedding applied to q and k in place, projections on weights packed in panels
  * (decode batches and small prefill chunks: at read bandwidth for a few rows, at the FMA units' rate for
- * dozens), and the step's small ops in one pass each (RMSNorm with its residual add, silu-and-mul, the KV cache
- * write).
+ * dozens), the step's small ops in one pass each (RMSNorm with its residual add, silu-and-mul, the KV cache
+ * write), and all of them for a decode step's whole decoder stack in one call (`unigate_decode_layers_f32`, at the
+ * end: each kernel's body is an orphaned `omp for` or a per-thread range, run inside whichever parallel region
+ * calls it).
  *
  * Built at run time by cpu_kernels.py with the machine's C compiler (-O3 -march=native -fopenmp) and called
  * through ctypes. AVX2 + FMA intrinsics (the projections: GCC vector extensions, AVX-512 where the CPU has it);
