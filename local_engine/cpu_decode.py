@@ -116,7 +116,8 @@ class CpuDecoder:
         tables, context_lens = meta.decode_block_tables, meta.decode_context_lens
         assert tables is not None and context_lens is not None
         assert all(t.is_contiguous() for t in (input_ids, positions, meta.slot_mapping, tables, context_lens))
-        assert tables.dtype == context_lens.dtype == torch.int32 and positions.dtype == meta.slot_mapping.dtype
+        assert tables.dtype == context_lens.dtype == torch.int32
+        assert positions.dtype == meta.slot_mapping.dtype == input_ids.dtype == torch.int64
         assert self._model.model.layers[0].self_attn.attn.k_cache is self._caches[0][0], "the KV cache moved"
         num_rows = input_ids.shape[0]
         residual = torch.index_select(self.embed, 0, input_ids)  # the residual stream starts as the embeddings

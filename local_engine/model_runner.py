@@ -110,7 +110,8 @@ class ModelRunner:
         self.graphs = self._build_graphs()
         self.cpu_decoder = self._build_cpu_decoder()
         logger.info(
-            "engine ready in %.1fs: %s %s on %s, attention=%s, cuda graphs %s; memory: weights %.0f MiB, "
+            "engine ready in %.1fs: %s %s on %s, attention=%s, cuda graphs %s, native CPU decode steps %s; "
+            "memory: weights %.0f MiB, "
             "activations peak %s, KV cache %.0f MiB (%d blocks x %d tokens = %d tokens)",
             time.perf_counter() - started,
             model_config.model_type,
@@ -118,6 +119,7 @@ class ModelRunner:
             self.device,
             f"{self.attention_backend} ({self.ops_name})",
             "off" if self.graphs is None else f"for batch sizes up to {self.graphs.max_size}",
+            "off" if self.cpu_decoder is None else f"on (up to {self.cpu_decoder.max_rows} sequences)",
             self.weights_bytes / 2**20,
             "not profiled" if self.activations_peak_bytes is None else f"{self.activations_peak_bytes / 2**20:.0f} MiB",
             self.capacity.num_bytes / 2**20,
