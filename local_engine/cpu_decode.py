@@ -78,7 +78,8 @@ class CpuDecoder:
             "k_cache": _pointers([layer.self_attn.attn.k_cache for layer in layers]),
             "v_cache": _pointers([layer.self_attn.attn.v_cache for layer in layers]),
         }
-        self._caches = [(layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache) for layer in layers]
+        # The runner attaches the KV cache once; `run` checks that the first layer still holds the one pointed at.
+        self._attention, self._k_cache = attn0.attn, attn0.attn.k_cache
         self.weights = cpu_kernels.DecoderWeights(
             num_layers=len(layers),
             hidden=self.hidden,
@@ -93,7 +94,6 @@ class CpuDecoder:
             cos_sin=model.cos_sin_cache.data_ptr(),
             **{name: ctypes.cast(array, ctypes.POINTER(ctypes.c_void_p)) for name, array in self._arrays.items()},
         )
-        self._model = model
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, max_rows: int) -> CpuDecoder | None:
@@ -118,7 +118,7 @@ class CpuDecoder:
         assert all(t.is_contiguous() for t in (input_ids, positions, meta.slot_mapping, tables, context_lens))
         assert tables.dtype == context_lens.dtype == torch.int32
         assert positions.dtype == meta.slot_mapping.dtype == input_ids.dtype == torch.int64
-        assert self._model.model.layers[0].self_attn.attn.k_cache is self._caches[0][0], "the KV cache moved"
+        assert self._attention.k_cache is self._k_cache, "the KV cache moved"
         num_rows = input_ids.shape[0]
         residual = torch.index_select(self.embed, 0, input_ids)  # the residual stream starts as the embeddings
         out = torch.empty((num_rows, self.hidden), dtype=torch.float32)
