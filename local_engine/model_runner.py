@@ -349,8 +349,8 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, meta)
         elif self.cpu_decoder is not None and self.cpu_decoder.can_run(meta, input_ids.shape[0]):
             hidden = self.cpu_decoder.run(input_ids, positions, meta)
+        elif logits_indices.shape[0] != input_ids.shape[0]:  # rows are increasing: as many rows means all of them
+            hidden = self.model(input_ids, positions, meta, logits_indices)  # a prefill step: sampled rows only
         else:
             hidden = self.model(input_ids, positions, meta)
-        if logits_indices.shape[0] != hidden.shape[0]:  # rows are increasing: as many rows means all of them
-            hidden = hidden[logits_indices]
         return self.model.compute_logits(hidden).float()

@@ -55,8 +55,15 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, ops)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        cos_sin: torch.Tensor,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """With `output_rows`, every token's K and V still go to the cache, but only those rows of the attention
+        output go on through the output projection (the last layer of a prefill step: see `LlamaModel`)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 KVH) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -68,8 +75,8 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(num_tokens, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(num_tokens, self.num_kv_heads, self.head_dim)
         self.ops.apply_rotary(q, k, positions, cos_sin)
-        out = self.attn(q, k, v, meta)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = self.attn(q, k, v, meta).reshape(num_tokens, self.q_size)  # [T, H * D]
+        return self.o_proj(out if output_rows is None else out[output_rows])
 
 
 class LlamaMLP(nn.Module):
@@ -98,6 +105,7 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos_sin: torch.Tensor,
         meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add is fused into the next norm: `residual` carries the running sum between layers.
         if residual is None:
@@ -105,7 +113,9 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)[0]
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, cos_sin, meta)
+        hidden = self.self_attn(positions, hidden, cos_sin, meta, output_rows)
+        if output_rows is not None:
+            residual = residual[output_rows]
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -118,12 +128,23 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Final hidden states [T, hidden], or [len(output_rows), hidden] for just those rows (increasing token
+        indices). Only the last layer's K and V are needed of the other tokens, so from its attention output on
+        the layer runs on the output rows alone: in a prefill step, the sampled rows are one per sequence and the
+        last layer's o projection and MLP (5/6 of its weights' work) are skipped for all the rest, as llama.cpp
+        does."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, cos_sin, meta)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, cos_sin, meta, output_rows if i == last else None)
         return self.norm(hidden, residual)[0]
 
 
@@ -139,9 +160,15 @@ class LlamaForCausalLM(nn.Module):
         cache = build_cos_sin_cache(config.head_dim, max_position, config.rope_theta, config.rope_scaling)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Packed tokens [T] -> final hidden states [T, hidden]."""
-        return self.model(input_ids, positions, self.cos_sin_cache, meta)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Packed tokens [T] -> final hidden states [T, hidden] (or of `output_rows` only: see `LlamaModel`)."""
+        return self.model(input_ids, positions, self.cos_sin_cache, meta, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab]. With a plain `nn.Linear` on CPU and several rows the vocabulary is computed

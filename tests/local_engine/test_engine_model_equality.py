@@ -40,6 +40,55 @@ def test_logits_match_transformers(family: TinyModel) -> None:
     torch.testing.assert_close(logits[0], reference, rtol=1e-4, atol=1e-4)
 
 
+def test_prefill_runs_the_last_layer_on_sampled_rows_only(family: TinyModel) -> None:
+    """A prefill step sends every token through every layer's attention (their K and V are cached) but only the
+    rows that sample through the last layer's o projection and MLP; the logits still equal transformers'."""
+    from local_engine.block_manager import BlockManager
+    from local_engine.scheduler import Scheduler
+    from local_engine.sequence import Sequence
+
+    engine = family.engine()
+    layers = engine.runner.model.model.layers
+    seen: dict[str, int] = {}
+
+    def rows_into(name: str) -> Any:
+        def hook(module: Any, args: tuple[torch.Tensor, ...]) -> None:
+            seen[name] = args[0].shape[0]
+
+        return hook
+
+    hooks = [
+        layers[0].mlp.register_forward_pre_hook(rows_into("first mlp")),
+        layers[-1].self_attn.o_proj.register_forward_pre_hook(rows_into("last o_proj")),
+        layers[-1].mlp.register_forward_pre_hook(rows_into("last mlp")),
+    ]
+    batch = prompts([37, 5, 20], seed=3)
+    scheduler = Scheduler(BlockManager(16, 16), max_num_seqs=4, max_num_batched_tokens=128, max_model_len=100)
+    for i, prompt in enumerate(batch):
+        scheduler.add(Sequence(f"r{i}", prompt, GREEDY, max_tokens=1))
+    logits = engine.runner.run(scheduler.schedule())
+    for hook in hooks:
+        hook.remove()
+    assert seen == {"first mlp": 62, "last o_proj": 3, "last mlp": 3}
+    with torch.no_grad():
+        for row, prompt in zip(logits, batch, strict=True):
+            reference = family.hf(torch.tensor([prompt])).logits[0, -1]
+            torch.testing.assert_close(row, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_chunk_that_samples_nothing(llama: TinyModel) -> None:
+    """A step holding only the first chunk of a long prompt has no row to sample: the last layer runs on none."""
+    from local_engine.block_manager import BlockManager
+    from local_engine.scheduler import Scheduler
+    from local_engine.sequence import Sequence
+
+    engine = llama.engine()
+    prompt = prompts([50])[0]
+    scheduler = Scheduler(BlockManager(8, 16), max_num_seqs=1, max_num_batched_tokens=16, max_model_len=100)
+    scheduler.add(Sequence("r", prompt, GREEDY, max_tokens=1))
+    assert engine.runner.run(scheduler.schedule()).shape == (0, VOCAB)
+
+
 def test_many_lengths_in_one_batch(family: TinyModel) -> None:
     batch = prompts([1, 5, 16, 17, 40, 3, 64, 9])
     engine = family.engine()
