@@ -154,7 +154,7 @@ def _unsupported(model: LlamaForCausalLM, kernel: cpu_kernels.Kernel, max_rows: 
     if not (
         config.num_attention_heads <= kernel.max_heads
         and group <= kernel.max_group
-        and config.head_dim % 8 == 0
+        and config.head_dim % kernel.lanes == 0
         and config.head_dim <= kernel.max_head_dim
         and block_size <= kernel.max_block_size
     ):

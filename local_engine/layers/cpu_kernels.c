@@ -7,7 +7,8 @@
  * calls it).
  *
  * Built at run time by cpu_kernels.py with the machine's C compiler (-O3 -march=native -fopenmp) and called
- * through ctypes. AVX2 + FMA intrinsics (the projections: GCC vector extensions, AVX-512 where the CPU has it);
+ * through ctypes. AVX2 + FMA intrinsics, AVX-512 where the CPU has it (the projections and prefill attention: GCC
+ * vector extensions of either width; decode attention: AVX-512 forms for head dims that are multiples of 64);
  * OpenMP over sequences or panels (the process's one OpenMP runtime: torch's).
  *
  * Layouts: q [B, H, D] with rows `q_stride` floats apart (a view into the fused qkv projection); out [B, H, D];
@@ -16,7 +17,8 @@
  * a time in two passes: the scores of all its query heads (four keys' dot products at a time, each K row read
  * prefetching the same row of the block two ahead), one online-softmax update per head over the whole chunk
  * (running max and sum in float32), then the weighted sum of the chunk's values with 64 lanes of accumulators
- * in registers across blocks. A sequence with context_len 0 gets zeros.
+ * per head in registers across blocks (with AVX-512, up to four heads at once, each value row loaded once for
+ * all of them). A sequence with context_len 0 gets zeros.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -67,41 +69,79 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
+/* The softmax's and silu's arithmetic at the CPU's full vector width (16 lanes with AVX-512, else 8). */
+#ifdef __AVX512F__
+typedef __m512 vec_t;
+#define vec_load _mm512_loadu_ps
+#define vec_store _mm512_storeu_ps
+#define vec_set1 _mm512_set1_ps
+#define vec_zero _mm512_setzero_ps
+#define vec_add _mm512_add_ps
+#define vec_sub _mm512_sub_ps
+#define vec_mul _mm512_mul_ps
+#define vec_div _mm512_div_ps
+#define vec_max _mm512_max_ps
+#define vec_min _mm512_min_ps
+#define vec_fmadd _mm512_fmadd_ps
+#define vec_fnmadd _mm512_fnmadd_ps
+#define vec_floor(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+#define vec_pow2(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23))
+#define vec_sum _mm512_reduce_add_ps
+#define vec_hmax _mm512_reduce_max_ps
+#else
+typedef __m256 vec_t;
+#define vec_load _mm256_loadu_ps
+#define vec_store _mm256_storeu_ps
+#define vec_set1 _mm256_set1_ps
+#define vec_zero _mm256_setzero_ps
+#define vec_add _mm256_add_ps
+#define vec_sub _mm256_sub_ps
+#define vec_mul _mm256_mul_ps
+#define vec_div _mm256_div_ps
+#define vec_max _mm256_max_ps
+#define vec_min _mm256_min_ps
+#define vec_fmadd _mm256_fmadd_ps
+#define vec_fnmadd _mm256_fnmadd_ps
+#define vec_floor _mm256_floor_ps
+#define vec_pow2(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23))
+#define vec_sum hsum8
+#define vec_hmax hmax8
+#endif
+
 /* exp(x) for x <= 0 (scores minus their running max): Cephes' single-precision polynomial on x = n ln2 + r,
    relative error about 2e-7; inputs below -87 (weights under 1e-38) are clamped. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    const __m256 z = _mm256_mul_ps(x, x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
-    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+static inline vec_t vec_exp(vec_t x) {
+    x = vec_max(x, vec_set1(-87.0f));
+    const vec_t fx = vec_floor(vec_fmadd(x, vec_set1(1.44269504088896341f), vec_set1(0.5f)));
+    x = vec_fnmadd(fx, vec_set1(0.693359375f), x);
+    x = vec_fnmadd(fx, vec_set1(-2.12194440e-4f), x);
+    const vec_t z = vec_mul(x, x);
+    vec_t y = vec_set1(1.9875691500e-4f);
+    y = vec_fmadd(y, x, vec_set1(1.3981999507e-3f));
+    y = vec_fmadd(y, x, vec_set1(8.3334519073e-3f));
+    y = vec_fmadd(y, x, vec_set1(4.1665795894e-2f));
+    y = vec_fmadd(y, x, vec_set1(1.6666665459e-1f));
+    y = vec_fmadd(y, x, vec_set1(5.0000001201e-1f));
+    y = vec_add(vec_fmadd(y, z, x), vec_set1(1.0f));
+    return vec_mul(y, vec_pow2(fx));
 }
 
 /* Online softmax over n scores of a head (a chunk of keys): p = exp(s - new max) in place; returns the new max and
    adds the chunk's sum to *sum after scaling the old one (and, via *alpha, the caller's accumulator). */
 static inline float block_softmax(float *p, int64_t n, float running_max, float *running_sum, float *alpha) {
     int64_t t = 0;
-    __m256 vmax = _mm256_set1_ps(running_max);
-    for (; t + 8 <= n; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(p + t));
-    float new_max = hmax8(vmax);
+    vec_t vmax = vec_set1(running_max);
+    for (; t + LANES <= n; t += LANES) vmax = vec_max(vmax, vec_load(p + t));
+    float new_max = vec_hmax(vmax);
     for (; t < n; t++) new_max = p[t] > new_max ? p[t] : new_max;
-    const __m256 shift = _mm256_set1_ps(new_max);
-    __m256 vsum = _mm256_setzero_ps();
-    for (t = 0; t + 8 <= n; t += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), shift));
-        _mm256_storeu_ps(p + t, e);
-        vsum = _mm256_add_ps(vsum, e);
+    const vec_t shift = vec_set1(new_max);
+    vec_t vsum = vec_zero();
+    for (t = 0; t + LANES <= n; t += LANES) {
+        const vec_t e = vec_exp(vec_sub(vec_load(p + t), shift));
+        vec_store(p + t, e);
+        vsum = vec_add(vsum, e);
     }
-    float sum = hsum8(vsum);
+    float sum = vec_sum(vsum);
     for (; t < n; t++) {
         p[t] = expf(p[t] - new_max);
         sum += p[t];
@@ -116,6 +156,23 @@ static inline void prefetch(const float *p, int64_t num_floats) {
     for (int64_t offset = 0; offset < num_floats * 4; offset += 64) _mm_prefetch(c + offset, _MM_HINT_T0);
 }
 
+/* [sum(a0), sum(a1), sum(a2), sum(a3)]: four accumulators' lanes summed by one shuffle tree */
+static inline __m128 vec_sum4(vec_t a0, vec_t a1, vec_t a2, vec_t a3) {
+#ifdef __AVX512F__
+    /* t0: a0's 8 partial sums (lanes 0-7) and a1's (8-15); t1 likewise for a2 and a3 */
+    const __m512 t0 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+    const __m512 t1 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+    /* u: four partial sums each of a0, a1, a2 and a3, one 128-bit lane apiece; then each lane's total */
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t0, t1, 0x88), _mm512_shuffle_f32x4(t0, t1, 0xDD));
+    const __m512 v = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));
+    const __m512 w = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1));
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), w));
+#else
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+#endif
+}
+
 /* out[t] = q . k_t for the n keys of one block (rows `stride` floats apart), four keys at a time. With `ahead`
    (the same rows of a later block), each row read here prefetches its counterpart there: a steady stream of
    prefetches alongside the arithmetic rather than a burst that stalls on the miss buffers. */
@@ -126,46 +183,26 @@ static inline void block_scores(const float *q, const float *k, int64_t stride, 
         const float *k0 = k + t * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
         if (ahead)
             for (int64_t r = t; r < t + 4; r++) prefetch(ahead + r * stride, dim);
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        for (int64_t d = 0; d < dim; d += 8) {
-            const __m256 qd = _mm256_loadu_ps(q + d);
-            a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d), a0);
-            a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k1 + d), a1);
-            a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k2 + d), a2);
-            a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k3 + d), a3);
+        vec_t a0 = vec_zero(), a1 = vec_zero(), a2 = vec_zero(), a3 = vec_zero();
+        for (int64_t d = 0; d < dim; d += LANES) {
+            const vec_t qd = vec_load(q + d);
+            a0 = vec_fmadd(qd, vec_load(k0 + d), a0);
+            a1 = vec_fmadd(qd, vec_load(k1 + d), a1);
+            a2 = vec_fmadd(qd, vec_load(k2 + d), a2);
+            a3 = vec_fmadd(qd, vec_load(k3 + d), a3);
         }
-        const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-        _mm_storeu_ps(out + t, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+        _mm_storeu_ps(out + t, vec_sum4(a0, a1, a2, a3));
     }
     for (; t < n; t++) {
         const float *kt = k + t * stride;
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t d = 0; d < dim; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kt + d), a);
-        out[t] = hsum8(a);
+        vec_t a = vec_zero();
+        for (int64_t d = 0; d < dim; d += LANES) a = vec_fmadd(vec_load(q + d), vec_load(kt + d), a);
+        out[t] = vec_sum(a);
     }
 }
 
 /* Scores of up to this many keys per query head are held at once (a multiple of every allowed block size). */
 #define SCORE_CHUNK 512
-
-/* acc[0:w] += sum_t p[t] * v_t[0:w] over the n rows of one block (`stride` floats apart), w <= 64 lanes held in
-   eight registers for the whole block. */
-static inline void rows_weighted_sum(__m256 *c, int64_t w, const float *p, const float *v, int64_t stride, int64_t n,
-                                     const float *ahead, int64_t dim) {
-    for (int64_t t = 0; t < n; t++) {
-        const float *vt = v + t * stride;
-        if (ahead) prefetch(ahead + t * stride, dim);
-        const __m256 pt = _mm256_set1_ps(p[t]);
-        c[0] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt), c[0]);
-        if (w > 8) c[1] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8), c[1]);
-        if (w > 16) c[2] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 16), c[2]);
-        if (w > 24) c[3] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 24), c[3]);
-        if (w > 32) c[4] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 32), c[4]);
-        if (w > 40) c[5] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 40), c[5]);
-        if (w > 48) c[6] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 48), c[6]);
-        if (w > 56) c[7] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 56), c[7]);
-    }
-}
 
 /* The rows of KV head `offset` in the block PREFETCH_BLOCKS_AHEAD after block `index`, or 0 past the context. */
 static inline const float *block_ahead(const float *cache, const int32_t *table, int64_t index, int64_t num_blocks,
@@ -174,10 +211,70 @@ static inline const float *block_ahead(const float *cache, const int32_t *table,
     return later < num_blocks ? cache + table[later] * block_floats + offset : 0;
 }
 
+/* Query heads of a group whose values are summed together (each value row loaded once for all of them): as many
+   as leave their accumulators (64 lanes per head) in registers, four with AVX-512's 32 registers, one with AVX2's
+   16. */
+#ifdef __AVX512F__
+#define DECODE_HEADS 4
+#else
+#define DECODE_HEADS 1
+#endif
+#define DECODE_VECS (64 / LANES) /* vectors per 64 lanes of a head */
+
+/* acc[g][0 : vecs * LANES] += sum_t p_g[t] * v_t[d0 : ...] for `heads` query heads (acc rows `dim` floats apart,
+   score rows SCORE_CHUNK apart) over the chunk's n keys, the accumulators in registers across its blocks. */
+static inline __attribute__((always_inline)) void chunk_values(const int heads, const int vecs, float *acc,
+                                                               int64_t dim, const float *p, const float *v_cache,
+                                                               const int32_t *table, int64_t first_block,
+                                                               int64_t n, int64_t block_size, int64_t block_floats,
+                                                               int64_t offset, int64_t stride, int64_t total_blocks,
+                                                               int prefetch_v) {
+    vec_t c[DECODE_HEADS][DECODE_VECS];
+    for (int g = 0; g < heads; g++)
+        for (int j = 0; j < vecs; j++) c[g][j] = vec_load(acc + g * dim + j * LANES);
+    for (int64_t b = 0; b * block_size < n; b++) {
+        const int64_t index = first_block + b, nb = n - b * block_size < block_size ? n - b * block_size : block_size;
+        const float *vb = v_cache + table[index] * block_floats + offset;
+        const float *ahead = prefetch_v ? block_ahead(v_cache, table, index, total_blocks, block_floats, offset) : 0;
+        const float *pb = p + b * block_size;
+        for (int64_t t = 0; t < nb; t++) {
+            const float *vt = vb + t * stride;
+            if (ahead) prefetch(ahead + t * stride, vecs * LANES);
+            vec_t v[DECODE_VECS];
+            for (int j = 0; j < vecs; j++) v[j] = vec_load(vt + j * LANES);
+            for (int g = 0; g < heads; g++) {
+                const vec_t pt = vec_set1(pb[g * SCORE_CHUNK + t]);
+                for (int j = 0; j < vecs; j++) c[g][j] = vec_fmadd(pt, v[j], c[g][j]);
+            }
+        }
+    }
+    for (int g = 0; g < heads; g++)
+        for (int j = 0; j < vecs; j++) vec_store(acc + g * dim + j * LANES, c[g][j]);
+}
+
+#define CHUNK_VALUES(h, v)                                                                                     \
+    case v:                                                                                                    \
+        chunk_values(h, v, acc + g0 * dim + d0, dim, scores + g0 * SCORE_CHUNK, v_cache, table, first_block, n, \
+                     block_size, block_floats, kh * dim + d0, token_stride, total_blocks, g0 == 0 && d0 == 0);  \
+        break;
+#if DECODE_VECS == 4
+#define CHUNK_VALUES_HEADS(h) \
+    case h:                   \
+        switch (vecs) { CHUNK_VALUES(h, 1) CHUNK_VALUES(h, 2) CHUNK_VALUES(h, 3) CHUNK_VALUES(h, 4) } break;
+#else
+#define CHUNK_VALUES_HEADS(h)                                                                                  \
+    case h:                                                                                                    \
+        switch (vecs) {                                                                                        \
+            CHUNK_VALUES(h, 1) CHUNK_VALUES(h, 2) CHUNK_VALUES(h, 3) CHUNK_VALUES(h, 4) CHUNK_VALUES(h, 5)     \
+            CHUNK_VALUES(h, 6) CHUNK_VALUES(h, 7) CHUNK_VALUES(h, 8)                                           \
+        }                                                                                                      \
+        break;
+#endif
+
 /* KV heads [kh_first, kh_last) of one sequence (q and out point at the sequence's first head). Per KV head, the
    context is taken SCORE_CHUNK keys at a time in two passes: the scores of all its query heads over the chunk,
    one softmax update per head over the whole chunk, then the weighted sum of the chunk's values with the
-   accumulators in registers across blocks. */
+   accumulators in registers across blocks (the AVX-512 forms where `wide`). */
 static void decode_one(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
                        int64_t context_len, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
                        int64_t block_size, float scale, int64_t kh_first, int64_t kh_last) {
@@ -207,30 +304,22 @@ static void decode_one(const float *q, const float *k_cache, const float *v_cach
                                  g == 0 ? k_ahead : 0);
             }
             for (int64_t g = 0; g < group; g++) {
-                float alpha;
-                running_max[g] = block_softmax(scores + g * SCORE_CHUNK, n, running_max[g], &running_sum[g], &alpha);
+                float alpha, *p = scores + g * SCORE_CHUNK;
+                running_max[g] = block_softmax(p, n, running_max[g], &running_sum[g], &alpha);
                 if (alpha != 1.0f)
                     for (int64_t d = 0; d < dim; d++) acc[g * dim + d] *= alpha;
             }
-            for (int64_t g = 0; g < group; g++) {
+            for (int64_t g0 = 0; g0 < group; g0 += DECODE_HEADS)
                 for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-                    const int64_t w = dim - d0 < 64 ? dim - d0 : 64;
-                    float *a = acc + g * dim + d0;
-                    __m256 c[8];
-                    for (int64_t i = 0; i < 8; i++) c[i] = i * 8 < w ? _mm256_loadu_ps(a + i * 8) : _mm256_setzero_ps();
-                    for (int64_t b = 0; b < num_blocks; b++) {
-                        const int64_t index = first_block + b;
-                        const int64_t nb = n - b * block_size < block_size ? n - b * block_size : block_size;
-                        const float *vb = v_cache + table[index] * block_floats + kh * dim + d0;
-                        const float *v_ahead =
-                            g == 0 && d0 == 0 ? block_ahead(v_cache, table, index, total_blocks, block_floats, kh * dim) : 0;
-                        rows_weighted_sum(c, w, scores + g * SCORE_CHUNK + b * block_size, vb, token_stride, nb, v_ahead,
-                                          dim);
+                    const int vecs = (int)((dim - d0 < 64 ? dim - d0 : 64) / LANES);
+                    switch (group - g0 < DECODE_HEADS ? (int)(group - g0) : DECODE_HEADS) {
+                        CHUNK_VALUES_HEADS(1)
+#if DECODE_HEADS > 1
+                        CHUNK_VALUES_HEADS(2) CHUNK_VALUES_HEADS(3) CHUNK_VALUES_HEADS(4)
+#endif
+                        default: break;
                     }
-                    for (int64_t i = 0; i < 8; i++)
-                        if (i * 8 < w) _mm256_storeu_ps(a + i * 8, c[i]);
                 }
-            }
         }
         for (int64_t g = 0; g < group; g++) {
             const float inv = running_sum[g] > 0.0f ? 1.0f / running_sum[g] : 0.0f;
@@ -624,11 +713,10 @@ static void silu_and_mul_rows(float *x, int64_t x_stride, int64_t num_rows, int6
         float *gate = x + row * x_stride;
         const float *up = gate + inter;
         int64_t i = 0;
-        for (; i + 8 <= inter; i += 8) {
-            const __m256 g = _mm256_loadu_ps(gate + i);
-            const __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(88.0f)));
-            const __m256 s = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-            _mm256_storeu_ps(gate + i, _mm256_mul_ps(s, _mm256_loadu_ps(up + i)));
+        for (; i + LANES <= inter; i += LANES) {
+            const vec_t g = vec_load(gate + i);
+            const vec_t e = vec_exp(vec_min(vec_sub(vec_zero(), g), vec_set1(88.0f)));
+            vec_store(gate + i, vec_mul(vec_div(g, vec_add(vec_set1(1.0f), e)), vec_load(up + i)));
         }
         for (; i < inter; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }

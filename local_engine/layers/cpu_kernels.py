@@ -212,7 +212,7 @@ def _applies(
         and all(t.is_contiguous() for t in (k_cache, v_cache, block_tables, context_lens))
         and num_heads <= kernel.max_heads
         and num_heads // num_kv_heads <= kernel.max_group
-        and head_dim % 8 == 0
+        and head_dim % kernel.lanes == 0  # whole vectors: 16 floats with AVX-512, else 8
         and head_dim <= kernel.max_head_dim
         and block_size <= kernel.max_block_size
     )

@@ -66,7 +66,16 @@ def test_the_kernels_build_on_this_machine() -> None:
 @needs_kernel
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
-    [(9, 3, 64, 16), (8, 8, 64, 32), (16, 4, 128, 16), (32, 4, 128, 32), (16, 2, 64, 16), (8, 1, 128, 16)],
+    [
+        (9, 3, 64, 16),
+        (8, 8, 64, 32),
+        (16, 4, 128, 16),
+        (32, 4, 128, 32),
+        (16, 2, 64, 16),
+        (8, 1, 128, 16),
+        (10, 2, 80, 16),  # 64 + 16 lanes: a head's values in a full and a partial pass; groups of 5 heads
+        (14, 2, 96, 16),  # groups of 7: two passes of up to four heads (AVX-512)
+    ],
 )
 @pytest.mark.parametrize(
     "lens",
@@ -83,6 +92,23 @@ def test_decode_attention_matches_the_torch_path(
     expected = torch_ops.paged_decode_attention(q, k_cache, v_cache, tables, context, scale)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
     assert not got[torch.tensor(lens) == 0].any()  # an empty context attends to nothing: zeros, not NaN
+
+
+@needs_kernel
+def test_decode_attention_takes_head_dims_of_whole_vectors_only() -> None:
+    generator = torch.Generator().manual_seed(3)
+    q, k_cache, v_cache, tables, context = paged_case(generator, [20, 7], 8, 2, 24, 16)  # 24: 1.5 AVX-512 vectors
+    kernel = cpu_kernels.load()
+    assert kernel is not None
+    got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, context, 0.2)
+    if 24 % kernel.lanes:
+        assert got is None
+    else:
+        torch.testing.assert_close(got, torch_ops.paged_decode_attention(q, k_cache, v_cache, tables, context, 0.2))
+    torch.testing.assert_close(  # the ops module falls back to the torch path
+        cpu_ops.paged_decode_attention(q, k_cache, v_cache, tables, context, 0.2),
+        torch_ops.paged_decode_attention(q, k_cache, v_cache, tables, context, 0.2),
+    )
 
 
 def prefill_case(
