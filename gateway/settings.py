@@ -37,6 +37,7 @@ class EngineSettings(BaseModel):
     pack_cpu_weights: bool = True  # CPU: oneDNN GEMMs on pre-packed weights (False: plain torch.nn.Linear)
     cpu_kernels: bool = True  # CPU: decode attention and rotary in C kernels built at start-up (False: torch)
     cpu_fused_decode: bool = True  # CPU, with cpu_kernels: a decode step's decoder stack in one native call
+    cpu_gguf_blocks: bool = True  # CPU, with cpu_kernels: decode projections read a GGUF's Q4_1/Q8_0 blocks as stored
 
 
 class LimitSettings(BaseModel):

@@ -159,6 +159,9 @@ class EngineConfig:
     pack_cpu_weights: bool = True  # CPU: projections through oneDNN on pre-packed weights (layers/linear.py)
     cpu_kernels: bool = True  # CPU: decode attention and rotary in the C kernels of layers/cpu_kernels.py
     cpu_fused_decode: bool = True  # CPU, with the above: a decode step's decoder stack in one native call
+    # CPU, with cpu_kernels: decode-size projections read a GGUF checkpoint's Q4_1/Q8_0 blocks as stored (the same
+    # float32 results, 5-6x fewer bytes per step) instead of float32 panels
+    cpu_gguf_blocks: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -191,6 +194,7 @@ class EngineConfig:
             pack_cpu_weights=settings.pack_cpu_weights,
             cpu_kernels=settings.cpu_kernels,
             cpu_fused_decode=settings.cpu_fused_decode,
+            cpu_gguf_blocks=settings.cpu_gguf_blocks,
         )
 
     def resolved_device(self, is_cuda_available: bool) -> str:

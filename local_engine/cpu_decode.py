@@ -9,8 +9,9 @@ and on the same data, inside one parallel region, so the hidden states it return
 bit for bit (the tests check it); the embedding lookup before it and the logits after it stay in torch.
 
 It applies to float32 models on CPU with the native kernels on and every projection kept in the native kernel's
-panels (`layers/linear.py`, `PackedLinear` with `native_max_rows`), to pure-decode batches of at most that many
-rows. Anything else (prefill and mixed steps, larger batches, other dtypes) takes the model's forward.
+panels (`layers/linear.py`, `PackedLinear` with `native_max_rows`; float32, or all four kinds in a GGUF file's
+own Q4_1 / Q8_0 blocks), to pure-decode batches of at most that many rows. Anything else (prefill and mixed
+steps, larger batches, other dtypes) takes the model's forward.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class CpuDecoder:
             num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
             block_size=attn0.attn.k_cache.shape[1],
+            weight_format=attn0.qkv_proj.weight_format,
             eps=config.rms_norm_eps,
             scale=attn0.attn.scale,
             final_norm=model.model.norm.weight.data_ptr(),
@@ -122,7 +124,7 @@ class CpuDecoder:
         num_rows = input_ids.shape[0]
         residual = torch.index_select(self.embed, 0, input_ids)  # the residual stream starts as the embeddings
         out = torch.empty((num_rows, self.hidden), dtype=torch.float32)
-        self.kernel.decode_layers(
+        failed = self.kernel.decode_layers(
             ctypes.byref(self.weights),
             num_rows,
             residual.data_ptr(),
@@ -134,6 +136,8 @@ class CpuDecoder:
             tables.shape[1],
             self.scratch.data_ptr(),
         )
+        if failed:
+            raise MemoryError("the native decoder could not allocate a dequantized weight panel")
         return out
 
 
@@ -142,10 +146,14 @@ def _unsupported(model: LlamaForCausalLM, kernel: cpu_kernels.Kernel, max_rows: 
     config = model.config
     if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in model.parameters()):
         return "the weights are not float32 on CPU"
+    formats = set()
     for layer in model.model.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             if not isinstance(linear, PackedLinear) or linear.panels is None or linear.native_max_rows < max_rows:
                 return "the projections are not packed in the native kernel's panels"
+            formats.add(linear.weight_format)
+    if len(formats) > 1:
+        return "the projections' panels hold weights in more than one format"
         attn = layer.self_attn.attn
         if not (attn.k_cache.dim() == 4 and attn.k_cache.is_contiguous() and attn.v_cache.is_contiguous()):
             return "the KV cache is not allocated"

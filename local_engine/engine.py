@@ -8,9 +8,11 @@ from __future__ import annotations
 import itertools
 import resource
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from local_engine.block_manager import BlockManager
@@ -53,12 +55,13 @@ class LLMEngine:
         *,
         tokenizer: Detokenizer | None = None,
         eos_token_ids: frozenset[int] | None = None,
+        block_weights: Mapping[str, tuple[str, np.ndarray]] | None = None,
     ) -> None:
         self.model_config = model_config
         self.engine_config = engine_config
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else frozenset(model_config.eos_token_ids)
-        self.runner = ModelRunner(model_config, engine_config, state_dict)
+        self.runner = ModelRunner(model_config, engine_config, state_dict, block_weights)
         self.capacity = self.runner.capacity
         self.block_manager = BlockManager(
             self.capacity.num_blocks,
@@ -82,7 +85,14 @@ class LLMEngine:
         model_config = ModelConfig.from_hf_config(checkpoint.hf_config)
         tokenizer = checkpoint.tokenizer
         eos = frozenset(model_config.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()))
-        return cls(model_config, engine_config, checkpoint.state_dict, tokenizer=tokenizer, eos_token_ids=eos)
+        return cls(
+            model_config,
+            engine_config,
+            checkpoint.state_dict,
+            tokenizer=tokenizer,
+            eos_token_ids=eos,
+            block_weights=getattr(checkpoint, "blocks", None),
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -263,6 +273,8 @@ class LLMEngine:
             "attention_backend": self.runner.attention_backend,
             "ops": self.runner.ops_name,  # torch_ops, cpu_ops (native CPU kernels) or kernels (Triton)
             "fused_cpu_decode": self.runner.cpu_decoder is not None,  # decode steps in one native call (CPU)
+            # GGUF block type -> projections whose decode panels keep the file's own blocks (CPU), e.g. {"Q4_1": 120}
+            "gguf_block_panels": dict(self.runner.block_panels),
             "num_running_seqs": len(scheduler.running),
             "num_waiting_seqs": len(scheduler.waiting),
             "num_preempted_seqs": sum(1 for s in scheduler.waiting if s.num_preemptions),

@@ -17,7 +17,7 @@ import torch
 
 from gateway.errors import EngineError
 
-__all__ = ["GgufCheckpoint", "read_gguf", "unpermute_rope_rows"]
+__all__ = ["GgufCheckpoint", "read_gguf", "read_gguf_blocks", "unpermute_rope_rows"]
 
 GGUF_MAGIC = b"GGUF"
 
@@ -100,6 +100,28 @@ def read_gguf(path: Path) -> GgufCheckpoint:
         state_dict[hf_name] = torch.from_numpy(weights)
     pre = metadata.get("tokenizer.ggml.pre")
     return GgufCheckpoint(hf_config=config, state_dict=state_dict, pre_tokenizer=pre if isinstance(pre, str) else None)
+
+
+def read_gguf_blocks(path: Path, types: tuple[str, ...] = ("Q4_1", "Q8_0")) -> dict[str, tuple[str, np.ndarray]]:
+    """The raw blocks of the 2-D tensors of `path` quantized as one of `types`, by HF name: (type name, uint8
+    [rows, bytes per row]), rows in HF order (Q/K rows un-permuted as in `read_gguf`). No dequantization: this
+    reads the memory-mapped file, fast enough to run on every start (the native CPU kernel's decode panels are
+    built from them: `layers/linear.py`, `attach_block_panels`)."""
+    reader = _open_reader(path)
+    metadata = _read_metadata(reader)
+    config = gguf_to_hf_config(metadata, {tensor.name for tensor in reader.tensors}, path)
+    blocks: dict[str, tuple[str, np.ndarray]] = {}
+    for tensor in reader.tensors:
+        data = np.asarray(tensor.data)
+        if tensor.tensor_type.name not in types or data.ndim != 2 or data.dtype != np.uint8:
+            continue
+        hf_name = _hf_tensor_name(tensor.name, path)
+        if metadata["general.architecture"] == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
+            is_query = hf_name.split(".")[-2] == "q_proj"
+            num_heads = config["num_attention_heads"] if is_query else config["num_key_value_heads"]
+            data = unpermute_rope_rows(data, num_heads)
+        blocks[hf_name] = (tensor.tensor_type.name, np.array(data))  # a copy: the file may close
+    return blocks
 
 
 def unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:

@@ -19,10 +19,11 @@ import json
 import logging
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from gateway.errors import EngineError
@@ -47,6 +48,9 @@ class Checkpoint:
     source: str
     load_seconds: float
     from_cache: bool
+    # A GGUF source's Q4_1 / Q8_0 tensors as stored (HF name -> (type, raw blocks)): the native CPU kernel's
+    # decode panels keep them, dequantizing in registers (`layers/linear.py`, `attach_block_panels`).
+    blocks: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
 
     @property
     def num_weight_bytes(self) -> int:
@@ -73,11 +77,16 @@ def load_checkpoint(path: str | Path, cache_dir: Path | None = None, dtype: torc
     """Load a Hugging Face directory or a `.gguf` file; GGUF conversions are cached under `cache_dir` when given."""
     source = Path(path).expanduser()
     started = time.perf_counter()
+    blocks: dict[str, tuple[str, np.ndarray]] = {}
     if source.is_dir():
         config, state_dict, tokenizer = _load_hf_directory(source, dtype)
         from_cache = False
     elif source.is_file():
         config, state_dict, tokenizer, from_cache = _load_gguf(source, cache_dir, dtype)
+        if dtype == torch.float32:
+            from local_engine.gguf import read_gguf_blocks
+
+            blocks = read_gguf_blocks(source)
     else:
         raise EngineError(
             f"Model path {source} does not exist; point UNIGATE_ENGINE__MODEL_PATH (or the deployment's model_path) "
@@ -91,6 +100,7 @@ def load_checkpoint(path: str | Path, cache_dir: Path | None = None, dtype: torc
         source=str(source),
         load_seconds=time.perf_counter() - started,
         from_cache=from_cache,
+        blocks=blocks,
     )
     logger.info(
         "loaded %s (%s, %s) in %.1f s%s: %.0f MiB of weights, peak RSS %.0f MiB",

@@ -8,6 +8,7 @@ import itertools
 import logging
 import sys
 import time
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -18,9 +19,15 @@ from local_engine.cuda_graphs import DecodeGraphs, capture_sizes
 from local_engine.layers import cpu_kernels
 from local_engine.layers.attention import Attention, AttentionMetadata
 from local_engine.layers.backend import select_ops
-from local_engine.layers.linear import NATIVE_MAX_ROWS, PackedLinear, is_packing_available, pack_linears
+from local_engine.layers.linear import (
+    NATIVE_MAX_ROWS,
+    PackedLinear,
+    attach_block_panels,
+    is_packing_available,
+    pack_linears,
+)
 from local_engine.layers.rotary import build_cos_sin_cache
-from local_engine.models.llama import LlamaForCausalLM
+from local_engine.models.llama import PACKED_MODULES, LlamaForCausalLM
 from local_engine.scheduler import ScheduledBatch
 
 __all__ = ["ModelRunner", "kv_cache_budget"]
@@ -82,7 +89,11 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
 
 class ModelRunner:
     def __init__(
-        self, model_config: ModelConfig, engine_config: EngineConfig, state_dict: dict[str, torch.Tensor]
+        self,
+        model_config: ModelConfig,
+        engine_config: EngineConfig,
+        state_dict: dict[str, torch.Tensor],
+        block_weights: Mapping[str, tuple[str, np.ndarray]] | None = None,
     ) -> None:
         started = time.perf_counter()
         self.model_config = model_config
@@ -99,10 +110,13 @@ class ModelRunner:
         self.model = self._build_model(ops, state_dict)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.num_packed_linears = 0
+        self.block_panels: dict[str, int] = {}  # GGUF block type -> projections whose decode panels keep it
         if self.device.type == "cpu" and engine_config.pack_cpu_weights and is_packing_available():
             # oneDNN's layout; with the native kernels, few-row calls (decode) read the row-major weight instead
             native_rows = NATIVE_MAX_ROWS if native_cpu and cpu_kernels.is_available() else 0
             self.num_packed_linears = pack_linears(self.model, native_rows)
+            if native_rows and block_weights and engine_config.cpu_gguf_blocks and self.dtype == torch.float32:
+                self.block_panels = attach_block_panels(self.model, block_weights, PACKED_MODULES)
             self.weights_bytes += sum(m.extra_bytes for m in self.model.modules() if isinstance(m, PackedLinear))
         self.activations_peak_bytes: int | None = None  # measured by the profiling pass (GPU only)
         self.capacity = self._plan_kv_cache()
@@ -110,7 +124,7 @@ class ModelRunner:
         self.graphs = self._build_graphs()
         self.cpu_decoder = self._build_cpu_decoder()
         logger.info(
-            "engine ready in %.1fs: %s %s on %s, attention=%s, cuda graphs %s, native CPU decode steps %s; "
+            "engine ready in %.1fs: %s %s on %s, attention=%s, cuda graphs %s, native CPU decode steps %s%s; "
             "memory: weights %.0f MiB, "
             "activations peak %s, KV cache %.0f MiB (%d blocks x %d tokens = %d tokens)",
             time.perf_counter() - started,
@@ -120,6 +134,7 @@ class ModelRunner:
             f"{self.attention_backend} ({self.ops_name})",
             "off" if self.graphs is None else f"for batch sizes up to {self.graphs.max_size}",
             "off" if self.cpu_decoder is None else f"on (up to {self.cpu_decoder.max_rows} sequences)",
+            "".join(f", {n} decode projections on the checkpoint's {k} blocks" for k, n in self.block_panels.items()),
             self.weights_bytes / 2**20,
             "not profiled" if self.activations_peak_bytes is None else f"{self.activations_peak_bytes / 2**20:.0f} MiB",
             self.capacity.num_bytes / 2**20,

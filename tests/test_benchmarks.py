@@ -1,6 +1,6 @@
-"""The GPU benchmark, the CPU attention and projection benchmarks and the engine benchmark's op profile run end
-to end at tiny sizes (they are otherwise only run by hand, the GPU one on the rare machine that has a GPU): exit
-code 0 and every table they promise is printed."""
+"""The GPU benchmark, the CPU attention, projection and decode-step benchmarks and the engine benchmark's op
+profile run end to end at tiny sizes (they are otherwise only run by hand, the GPU one on the rare machine that has
+a GPU): exit code 0 and every table they promise is printed."""
 
 from __future__ import annotations
 
@@ -47,6 +47,14 @@ def test_cpu_linear_benchmark_runs() -> None:
     for path in ("oneDNN packed", "cpu_kernels", "F.linear (MKL)"):
         assert out.count(path) == 3, path  # milliseconds, GFLOP/s and GB/s
     assert "GFLOP/s" in out and "weight GB/s" in out
+
+
+@pytest.mark.skipif(not cpu_kernels.is_available(), reason="the native CPU kernels do not build here")
+def test_cpu_decode_steps_benchmark_runs() -> None:
+    out = run("benchmarks/cpu_decode_steps.py", "--batches", "1,3", "--prompt", "20", "--rounds", "1")
+    assert "GGUF blocks: {'Q4_1': 120, 'Q8_0': 1}" in out  # the bundled model's projections and output embedding
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[0] for row in rows] == ["1", "3"] and all(len(row) == 4 for row in rows)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-decode", "op-by-op"])

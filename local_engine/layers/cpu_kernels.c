@@ -1,7 +1,8 @@
 /* The local engine's native CPU kernels, float32: paged decode attention reading the KV cache blocks in place
  * (no gather copy), rotary embedding applied to q and k in place, projections on weights packed in panels
  * (decode batches and small prefill chunks: at read bandwidth for a few rows, at the FMA units' rate for
- * dozens), the step's small ops in one pass each (RMSNorm with its residual add, silu-and-mul, the KV cache
+ * dozens; the panels in float32 or in a GGUF file's own Q4_1 / Q8_0 blocks, dequantized on the fly to the same
+ * float32 weights), the step's small ops in one pass each (RMSNorm with its residual add, silu-and-mul, the KV cache
  * write), and all of them for a decode step's whole decoder stack in one call (`unigate_decode_layers_f32`, at the
  * end: each kernel's body is an orphaned `omp for` or a per-thread range, run inside whichever parallel region
  * calls it).
@@ -596,10 +597,12 @@ int64_t unigate_linear_panel_width(void) { return LINEAR_PANEL; }
 static inline __attribute__((always_inline)) void linear_tile(const int rows, const float *x, int64_t ldx,
                                                               const float *panel, int64_t k_dim, float *y,
                                                               int64_t ldy, int cols, const float *bias,
-                                                              const char *prefetch, int64_t prefetch_step) {
+                                                              const char *prefetch, int64_t prefetch_step,
+                                                              int accumulate) {
     lanes_t acc[LINEAR_ROWS][LINEAR_VECS];
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < LINEAR_VECS; j++) acc[r][j] = (lanes_t){0};
+    for (int r = 0; r < rows; r++)  /* with `accumulate`, y holds whole panels' partial sums (cols = PANEL) */
+        for (int j = 0; j < LINEAR_VECS; j++)
+            acc[r][j] = accumulate ? *(const lanes_t *)(y + r * ldy + j * LINEAR_LANES) : (lanes_t){0};
     for (int64_t k = 0; k < k_dim; k++) {
         if (prefetch) {
             const char *line = prefetch + k * prefetch_step;
@@ -625,26 +628,126 @@ static inline __attribute__((always_inline)) void linear_tile(const int rows, co
     }
 }
 
-#define LINEAR_TILE(n) \
-    case n: linear_tile(n, xr, ldx, panel, k_dim, y + r * n_dim + p * LINEAR_PANEL, n_dim, cols, b, next, step); break;
+/* Weight formats of the panels. F32: [K][PANEL] floats per panel. The others keep a GGUF checkpoint's own blocks
+ * of 32 weights along K (cpu_kernels.pack_block_weight reorders them into panels), dequantized in registers to
+ * exactly the float32 values the checkpoint dequantizes to (`gguf.quants`: Q4_1 w = d * q + m, Q8_0 w = d * q;
+ * d * q is exact in float32 and the one rounding of the add is the same in an FMA), so the projection's result is
+ * the F32 panels' bit for bit while a decode step streams 5-6x fewer bytes of weights. Per panel and block of 32:
+ * Q4_1: d[PANEL], m[PANEL] as float32, then 16 rows of PANEL bytes, byte n of row i holding output n's weights
+ *       2i (low nibble) and 2i + 1 (high nibble): 24 * PANEL bytes;
+ * Q8_0: d[PANEL] as float32, then 32 rows of PANEL int8: 36 * PANEL bytes. */
+#define WEIGHTS_F32 0
+#define WEIGHTS_Q4_1 1
+#define WEIGHTS_Q8_0 2
+
+static int64_t panel_bytes(int format, int64_t k_dim) {
+    switch (format) {
+        case WEIGHTS_Q4_1: return k_dim / 32 * 24 * LINEAR_PANEL;
+        case WEIGHTS_Q8_0: return k_dim / 32 * 36 * LINEAR_PANEL;
+        default: return k_dim * LINEAR_PANEL * 4;
+    }
+}
+
+#ifdef __AVX512F__
+typedef __m512i ivec_t;
+#define ivec_u8(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define ivec_i8(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define ivec_low4(x) _mm512_and_si512(x, _mm512_set1_epi32(15))
+#define ivec_high4(x) _mm512_srli_epi32(x, 4)
+#define ivec_float _mm512_cvtepi32_ps
+#else
+typedef __m256i ivec_t;
+#define ivec_u8(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define ivec_i8(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define ivec_low4(x) _mm256_and_si256(x, _mm256_set1_epi32(15))
+#define ivec_high4(x) _mm256_srli_epi32(x, 4)
+#define ivec_float _mm256_cvtepi32_ps
+#endif
+
+/* `k_dim` steps of K (a multiple of 32) of a block-format panel into float32 [k_dim][PANEL] (the F32 panel layout). */
+static void dequantize_panel(int format, const uint8_t *src, int64_t k_dim, float *dst) {
+    for (int64_t kb = 0; kb < k_dim / 32; kb++) {
+        float *out = dst + kb * 32 * LINEAR_PANEL;
+        if (format == WEIGHTS_Q4_1) {
+            const float *d = (const float *)(src + kb * 24 * LINEAR_PANEL), *m = d + LINEAR_PANEL;
+            const uint8_t *q = (const uint8_t *)(m + LINEAR_PANEL);
+            for (int64_t j = 0; j < LINEAR_PANEL; j += LANES) {
+                const vec_t dj = vec_load(d + j), mj = vec_load(m + j);
+                for (int64_t i = 0; i < 16; i++) {
+                    const ivec_t pair = ivec_u8(q + i * LINEAR_PANEL + j);
+                    vec_store(out + (2 * i) * LINEAR_PANEL + j, vec_fmadd(ivec_float(ivec_low4(pair)), dj, mj));
+                    vec_store(out + (2 * i + 1) * LINEAR_PANEL + j, vec_fmadd(ivec_float(ivec_high4(pair)), dj, mj));
+                }
+            }
+        } else {
+            const float *d = (const float *)(src + kb * 36 * LINEAR_PANEL);
+            const int8_t *q = (const int8_t *)(d + LINEAR_PANEL);
+            for (int64_t j = 0; j < LINEAR_PANEL; j += LANES) {
+                const vec_t dj = vec_load(d + j);
+                for (int64_t i = 0; i < 32; i++)
+                    vec_store(out + i * LINEAR_PANEL + j, vec_mul(ivec_float(ivec_i8(q + i * LINEAR_PANEL + j)), dj));
+            }
+        }
+    }
+}
+
+/* This thread's scratch for block-format panels, grown to `floats` as needed and kept for the thread's life (a
+   few dozen KiB: a dequantized chunk of a panel and the row tiles' partial sums). Null when it cannot be had. */
+static float *panel_scratch(int64_t floats) {
+    static __thread float *buffer;
+    static __thread int64_t capacity;
+    if (capacity < floats) {
+        free(buffer);
+        buffer = aligned_alloc(64, (size_t)(floats * 4 + 63) / 64 * 64);
+        capacity = buffer ? floats : 0;
+    }
+    return buffer;
+}
+
+/* K steps per dequantized chunk of a block-format panel: 64 x PANEL floats (12 KiB with AVX-512) stay in L1 while
+   every row tile reads them. */
+#define DEQUANT_K 128
+
+#define LINEAR_TILE(n)                                                                                       \
+    case n:                                                                                                  \
+        linear_tile(n, xr, ldx, panel, kn, out + r * ldo, ldo, cols, b, next, step, accumulate); \
+        break;
 
 /* The panels of one projection, a contiguous range per thread of the enclosing parallel region (no barrier at
-   the end: a caller that reads y next waits for the other threads itself). */
-static void linear_panels(const float *x, int64_t ldx, int64_t m, const float *packed, int64_t n_dim, int64_t k_dim,
-                          const float *bias, float *y) {
-    const int64_t panels = (n_dim + LINEAR_PANEL - 1) / LINEAR_PANEL;
+   the end: a caller that reads y next waits for the other threads itself). F32 panels are read in place, each
+   row tile over the whole of K. A block-format panel is dequantized DEQUANT_K steps of K at a time into this
+   thread's scratch, every row tile running over that chunk with its partial sums kept in the scratch between
+   chunks (float32 in memory: the sums are the same as in registers), then written out. Returns nonzero when the
+   scratch could not be allocated (this thread's outputs are then not written). */
+static int linear_panels(const float *x, int64_t ldx, int64_t m, const uint8_t *packed, int format, int64_t n_dim,
+                         int64_t k_dim, const float *bias, float *y) {
+    const int64_t panels = (n_dim + LINEAR_PANEL - 1) / LINEAR_PANEL, bytes = panel_bytes(format, k_dim);
     const int64_t tiles = (m + LINEAR_ROWS - 1) / LINEAR_ROWS;
     /* bytes of the next panel to prefetch per K step of each tile: the whole panel over all the tiles */
-    const int64_t step = tiles ? (LINEAR_PANEL * 4 + tiles - 1) / tiles : 0;
-    {
-        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t first = panels * t / threads, last = panels * (t + 1) / threads;
-        for (int64_t p = first; p < last; p++) {
-            const float *panel = packed + p * k_dim * LINEAR_PANEL, *b = bias ? bias + p * LINEAR_PANEL : 0;
-            const int cols = n_dim - p * LINEAR_PANEL < LINEAR_PANEL ? (int)(n_dim - p * LINEAR_PANEL) : LINEAR_PANEL;
+    const int64_t step = tiles ? (bytes / k_dim + tiles - 1) / tiles : 0;
+    const int blocks = format != WEIGHTS_F32;
+    float *scratch = blocks ? panel_scratch((DEQUANT_K + tiles * LINEAR_ROWS) * LINEAR_PANEL) : 0;
+    if (blocks && !scratch) return 1;
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t first = panels * t / threads, last = panels * (t + 1) / threads;
+    for (int64_t p = first; p < last; p++) {
+        const int cols_out = n_dim - p * LINEAR_PANEL < LINEAR_PANEL ? (int)(n_dim - p * LINEAR_PANEL) : LINEAR_PANEL;
+        const float *b = blocks ? 0 : bias ? bias + p * LINEAR_PANEL : 0;
+        const int cols = blocks ? LINEAR_PANEL : cols_out;
+        float *out = blocks ? scratch + DEQUANT_K * LINEAR_PANEL : y + p * LINEAR_PANEL;
+        const int64_t ldo = blocks ? LINEAR_PANEL : n_dim, chunk = blocks ? DEQUANT_K : k_dim;
+        for (int64_t k0 = 0; k0 < k_dim; k0 += chunk) {
+            const int64_t kn = k_dim - k0 < chunk ? k_dim - k0 : chunk;
+            const float *panel = (const float *)(packed + p * bytes);
+            if (blocks) {
+                dequantize_panel(format, packed + p * bytes + panel_bytes(format, k0), kn, scratch);
+                panel = scratch;
+            }
+            const int accumulate = k0 > 0;
             for (int64_t r = 0; r < m; r += LINEAR_ROWS) {
-                const char *next = p + 1 < last ? (const char *)(panel + k_dim * LINEAR_PANEL) + r / LINEAR_ROWS * k_dim * step : 0;
-                const float *xr = x + r * ldx;
+                const char *next =
+                    p + 1 < last ? (const char *)(packed + (p + 1) * bytes) + (r / LINEAR_ROWS * k_dim + k0) * step : 0;
+                const float *xr = x + r * ldx + k0;
                 switch (m - r < LINEAR_ROWS ? (int)(m - r) : LINEAR_ROWS) {
                     LINEAR_TILE(1) LINEAR_TILE(2) LINEAR_TILE(3) LINEAR_TILE(4)
 #if LINEAR_ROWS > 4
@@ -654,13 +757,21 @@ static void linear_panels(const float *x, int64_t ldx, int64_t m, const float *p
                 }
             }
         }
+        if (blocks)
+            for (int64_t r = 0; r < m; r++)
+                for (int c = 0; c < cols_out; c++)
+                    y[r * n_dim + p * LINEAR_PANEL + c] =
+                        bias ? out[r * LINEAR_PANEL + c] + bias[p * LINEAR_PANEL + c] : out[r * LINEAR_PANEL + c];
     }
+    return 0;
 }
 
-void unigate_linear_f32(const float *x, int64_t ldx, int64_t m, const float *packed, int64_t n_dim, int64_t k_dim,
-                        const float *bias, float *y) {
-#pragma omp parallel
-    linear_panels(x, ldx, m, packed, n_dim, k_dim, bias, y);
+int unigate_linear_f32(const float *x, int64_t ldx, int64_t m, const uint8_t *packed, int format, int64_t n_dim,
+                       int64_t k_dim, const float *bias, float *y) {
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    failed |= linear_panels(x, ldx, m, packed, format, n_dim, k_dim, bias, y);
+    return failed;
 }
 
 /* RMSNorm over rows of `dim` floats, HF's math in float32: out = x * rsqrt(mean(x^2) + eps) * weight. With
@@ -754,28 +865,35 @@ void unigate_store_kv_f32(const float *k, int64_t k_stride, const float *v, int6
  * 2 * inter) floats. Positions, slots, block tables and context lengths as in the per-op kernels. */
 typedef struct {
     int64_t num_layers, hidden, inter, num_heads, num_kv_heads, head_dim, block_size;
+    int64_t weight_format; /* of the four projections' panels: WEIGHTS_F32, _Q4_1 or _Q8_0 */
     float eps, scale;
     const float *const *input_norm, *const *post_norm, *const *q_norm, *const *k_norm;
-    const float *const *qkv, *const *qkv_bias, *const *o, *const *o_bias, *const *gate_up, *const *down;
+    const uint8_t *const *qkv;
+    const float *const *qkv_bias;
+    const uint8_t *const *o;
+    const float *const *o_bias;
+    const uint8_t *const *gate_up, *const *down;
     float *const *k_cache, *const *v_cache;
     const float *final_norm, *cos_sin;
 } unigate_decoder_t;
 
-void unigate_decode_layers_f32(const unigate_decoder_t *m, int64_t num_rows, float *res, float *out,
-                               const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
-                               const int32_t *context_lens, int64_t table_width, float *scratch) {
+int unigate_decode_layers_f32(const unigate_decoder_t *m, int64_t num_rows, float *res, float *out,
+                              const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
+                              const int32_t *context_lens, int64_t table_width, float *scratch) {
+    const int format = (int)m->weight_format;
+    int failed = 0;
     const int64_t hidden = m->hidden, dim = m->head_dim, heads = m->num_heads, kv_heads = m->num_kv_heads;
     const int64_t q_size = heads * dim, kv_size = kv_heads * dim, qkv_size = q_size + 2 * kv_size;
     float *normed = scratch, *qkv = normed + num_rows * hidden, *attn = qkv + num_rows * qkv_size;
     float *sub = attn + num_rows * q_size, *gate_up = sub + num_rows * hidden;
-#pragma omp parallel
+#pragma omp parallel reduction(| : failed)
     {
         for (int64_t l = 0; l < m->num_layers; l++) {
             /* the first layer normalises the embeddings; later ones add the last sublayer's output first */
             rms_norm_rows(l ? sub : res, hidden, l ? res : 0, m->input_norm[l], normed, hidden, num_rows, hidden,
                           m->eps);
-            linear_panels(normed, hidden, num_rows, m->qkv[l], qkv_size, hidden, m->qkv_bias ? m->qkv_bias[l] : 0,
-                          qkv);
+            failed |= linear_panels(normed, hidden, num_rows, m->qkv[l], format, qkv_size, hidden,
+                                    m->qkv_bias ? m->qkv_bias[l] : 0, qkv);
 #pragma omp barrier
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < num_rows; t++) {
@@ -801,15 +919,17 @@ void unigate_decode_layers_f32(const unigate_decoder_t *m, int64_t num_rows, flo
             }
             decode_tasks(qkv, qkv_size, m->k_cache[l], m->v_cache[l], block_tables, context_lens, attn, num_rows,
                          heads, kv_heads, dim, m->block_size, table_width, m->scale);
-            linear_panels(attn, q_size, num_rows, m->o[l], hidden, q_size, m->o_bias ? m->o_bias[l] : 0, sub);
+            failed |= linear_panels(attn, q_size, num_rows, m->o[l], format, hidden, q_size,
+                                    m->o_bias ? m->o_bias[l] : 0, sub);
 #pragma omp barrier
             rms_norm_rows(sub, hidden, res, m->post_norm[l], normed, hidden, num_rows, hidden, m->eps);
-            linear_panels(normed, hidden, num_rows, m->gate_up[l], 2 * m->inter, hidden, 0, gate_up);
+            failed |= linear_panels(normed, hidden, num_rows, m->gate_up[l], format, 2 * m->inter, hidden, 0, gate_up);
 #pragma omp barrier
             silu_and_mul_rows(gate_up, 2 * m->inter, num_rows, m->inter);
-            linear_panels(gate_up, 2 * m->inter, num_rows, m->down[l], hidden, m->inter, 0, sub);
+            failed |= linear_panels(gate_up, 2 * m->inter, num_rows, m->down[l], format, hidden, m->inter, 0, sub);
 #pragma omp barrier
         }
         rms_norm_rows(sub, hidden, res, m->final_norm, out, hidden, num_rows, hidden, m->eps);
     }
+    return failed; /* nonzero: a thread could not allocate its dequantized panel (the outputs are not valid) */
 }

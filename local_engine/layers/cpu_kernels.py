@@ -11,7 +11,9 @@
 - projections on weights packed once into panels (`pack_linear_weight`) for decode batches and small prefill
   chunks: a stream of the weight at read bandwidth for a few rows and at the FMA units' rate for dozens, where
   oneDNN's and MKL's small-M paths reach about half of either (`layers/linear.py` calls it up to
-  `linear.NATIVE_MAX_ROWS` rows);
+  `linear.NATIVE_MAX_ROWS` rows). The panels may also hold a GGUF checkpoint's own Q4_1 or Q8_0 blocks
+  (`pack_block_weight`), dequantized in registers to exactly the float32 weights the checkpoint dequantizes to:
+  the same result bit for bit, from 5-6x fewer bytes streamed per decode step;
 - RMSNorm with its residual add, silu-and-mul and the KV cache write, one pass over the data each, where the
   torch ops take several (and a fresh tensor per step) for each;
 - the whole decoder stack of a decode step in one call (`DecoderWeights`, `Kernel.decode_layers`: the kernels
@@ -39,6 +41,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -47,6 +50,7 @@ __all__ = [
     "is_available",
     "linear",
     "load",
+    "pack_block_weight",
     "pack_linear_weight",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -63,6 +67,14 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _PP = ctypes.POINTER(ctypes.c_void_p)
 
+# Weight formats of the projection panels (`WEIGHTS_*` in cpu_kernels.c): float32, or a GGUF file's own blocks.
+WEIGHTS_F32 = 0
+WEIGHTS_Q4_1 = 1
+WEIGHTS_Q8_0 = 2
+BLOCK_FORMATS = {"Q4_1": WEIGHTS_Q4_1, "Q8_0": WEIGHTS_Q8_0}  # GGUF type name -> format
+_BLOCK_BYTES = {WEIGHTS_Q4_1: 20, WEIGHTS_Q8_0: 34}  # bytes of one block of 32 weights in the GGUF file
+_PANEL_BLOCK_BYTES = {WEIGHTS_Q4_1: 24, WEIGHTS_Q8_0: 36}  # bytes per block of 32 and output feature, packed
+
 
 class DecoderWeights(ctypes.Structure):
     """`unigate_decoder_t`: a model's shape and, per layer, pointers to its weights (projections as panels) and KV
@@ -71,6 +83,7 @@ class DecoderWeights(ctypes.Structure):
     _fields_ = [
         *((name, _I) for name in ("num_layers", "hidden", "inter", "num_heads", "num_kv_heads", "head_dim")),
         ("block_size", _I),
+        ("weight_format", _I),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         *((name, _PP) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias")),
@@ -153,8 +166,8 @@ def load() -> Kernel | None:
     rotary.argtypes = [_P, _I, _P, _I, _P, _P, _I, _I, _I, _I]
     rotary.restype = None
     linear = library.unigate_linear_f32
-    linear.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P]
-    linear.restype = None
+    linear.argtypes = [_P, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P]
+    linear.restype = ctypes.c_int
     rms_norm = library.unigate_rms_norm_f32
     rms_norm.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_float]
     rms_norm.restype = None
@@ -174,7 +187,7 @@ def load() -> Kernel | None:
     prefill.restype = ctypes.c_int
     decode_layers = library.unigate_decode_layers_f32
     decode_layers.argtypes = [ctypes.POINTER(DecoderWeights), _I, _P, _P, _P, _P, _P, _P, _I, _P]
-    decode_layers.restype = None
+    decode_layers.restype = ctypes.c_int
     return Kernel(
         decode,
         rotary,
@@ -337,12 +350,15 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
 def _rows_and_vector(x: torch.Tensor, weight: torch.Tensor, extra: torch.Tensor | None) -> bool:
     """The inputs the row kernels (`linear`, `rms_norm`) take: float32 rows on CPU with unit column stride (rows
     may be apart), a contiguous float32 weight, and an optional contiguous float32 bias or residual."""
+    return weight.dtype == torch.float32 and weight.is_contiguous() and _rows(x, extra)
+
+
+def _rows(x: torch.Tensor, extra: torch.Tensor | None) -> bool:
     return (
         x.dim() == 2
         and x.device.type == "cpu"
-        and x.dtype == weight.dtype == torch.float32
+        and x.dtype == torch.float32
         and x.stride(1) == 1
-        and weight.is_contiguous()
         and (extra is None or (extra.dtype == torch.float32 and extra.is_contiguous()))
     )
 
@@ -361,33 +377,83 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return padded.view(panels, width, num_in).transpose(1, 2).contiguous()
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, num_out: int, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """`F.linear(x, weight, bias)` for x [M, K] (rows may be apart: a slice of a fused projection), float32 on
-    CPU, with the weight [num_out, K] given packed (`pack_linear_weight`); None when the kernel is unavailable
-    or does not apply."""
+def pack_block_weight(blocks: np.ndarray, weight_format: int, num_in: int) -> torch.Tensor | None:
+    """A GGUF tensor's raw blocks, [N, num_in / 32 * block bytes] uint8 (Q4_1: fp16 d, fp16 m, 16 bytes of 4-bit
+    q, the first 16 weights in the low nibbles; Q8_0: fp16 d, 32 int8 q), in the layout `linear` reads with
+    `weight_format`: per panel of `panel_width` outputs, per block of 32 along K, the scales as float32 for the
+    whole panel, then the quants with each row of the block side by side (Q4_1: one byte per output holds
+    weights 2i and 2i + 1, so the kernel walks K in order) — [panels, num_in / 32, 24 or 36 x width] uint8, the
+    last panel's padding all zero. None when the kernel is unavailable or the shapes do not fit."""
     kernel = load()
+    block_bytes = _BLOCK_BYTES.get(weight_format)
+    if kernel is None or block_bytes is None or num_in % 32 or blocks.ndim != 2 or blocks.dtype != np.uint8:
+        return None
+    num_out, num_blocks, width = blocks.shape[0], num_in // 32, kernel.panel_width
+    if blocks.shape[1] != num_blocks * block_bytes:
+        return None
+    panels = -(-num_out // width)
+    padded = np.zeros((panels * width, num_blocks, block_bytes), dtype=np.uint8)
+    padded[:num_out] = blocks.reshape(num_out, num_blocks, block_bytes)
+
+    def by_panel(values: np.ndarray) -> np.ndarray:  # [N, blocks, *rest] -> [panels, blocks, *rest, width] bytes
+        moved = values.reshape(panels, width, num_blocks, -1).transpose(0, 2, 3, 1)
+        return np.ascontiguousarray(moved).reshape(panels, num_blocks, -1).view(np.uint8)
+
+    def scales(offset: int) -> np.ndarray:  # fp16 at `offset` of each block -> float32 (exact)
+        return by_panel(np.ascontiguousarray(padded[:, :, offset : offset + 2]).view(np.float16).astype(np.float32))
+
+    if weight_format == WEIGHTS_Q4_1:
+        packed_q = padded[:, :, 4:]
+        q = np.concatenate([packed_q & 15, packed_q >> 4], axis=-1)  # [N, blocks, 32], along K
+        parts = [scales(0), scales(2), by_panel(q[..., 0::2] | (q[..., 1::2] << 4))]
+    else:
+        parts = [scales(0), by_panel(padded[:, :, 2:])]
+    packed = np.concatenate(parts, axis=-1)
+    assert packed.shape == (panels, num_blocks, _PANEL_BLOCK_BYTES[weight_format] * width)
+    return torch.from_numpy(packed)
+
+
+def linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    num_out: int,
+    bias: torch.Tensor | None,
+    weight_format: int = WEIGHTS_F32,
+) -> torch.Tensor | None:
+    """`F.linear(x, weight, bias)` for x [M, K] (rows may be apart: a slice of a fused projection), float32 on
+    CPU, with the weight [num_out, K] given packed (`pack_linear_weight`, or `pack_block_weight` with its
+    `weight_format`); None when the kernel is unavailable or does not apply."""
+    kernel = load()
+    if kernel is None or not _rows(x, bias) or packed.dim() != 3:
+        return None
+    num_in, width = x.shape[1], kernel.panel_width
+    if weight_format == WEIGHTS_F32:
+        fits = packed.dtype == torch.float32 and packed.shape[1:] == (num_in, width)
+    else:
+        block = _PANEL_BLOCK_BYTES.get(weight_format)
+        fits = block is not None and packed.dtype == torch.uint8 and packed.shape[1:] == (num_in // 32, block * width)
+        fits = fits and num_in % 32 == 0
     if (
-        kernel is None
-        or not _rows_and_vector(x, packed, bias)
-        or packed.dim() != 3
-        or packed.shape[1:] != (x.shape[1], kernel.panel_width)
-        or not (packed.shape[0] - 1) * kernel.panel_width < num_out <= packed.shape[0] * kernel.panel_width
+        not fits
+        or not packed.is_contiguous()
+        or not (packed.shape[0] - 1) * width < num_out <= packed.shape[0] * width
         or (bias is not None and bias.shape != (num_out,))
     ):
         return None
     num_rows = x.shape[0]
     out = torch.empty((num_rows, num_out), dtype=torch.float32)
-    if num_rows:
-        kernel.linear(
-            x.data_ptr(),
-            x.stride(0),
-            num_rows,
-            packed.data_ptr(),
-            num_out,
-            x.shape[1],
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-        )
+    if num_rows and kernel.linear(
+        x.data_ptr(),
+        x.stride(0),
+        num_rows,
+        packed.data_ptr(),
+        weight_format,
+        num_out,
+        num_in,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+    ):
+        raise MemoryError("the native linear kernel could not allocate its dequantized panel")
     return out
 
 

@@ -34,12 +34,22 @@ them in its weights memory.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import numpy as np
 import torch
 from torch import nn
 
 from local_engine.layers import cpu_kernels
 
-__all__ = ["NATIVE_MAX_ROWS", "PackedLinear", "can_pack", "is_packing_available", "pack_linears"]
+__all__ = [
+    "NATIVE_MAX_ROWS",
+    "PackedLinear",
+    "attach_block_panels",
+    "can_pack",
+    "is_packing_available",
+    "pack_linears",
+]
 
 # Up to this many rows a call goes to the native kernel (it leads oneDNN by 15-37% up to 96 rows; from 128 rows
 # on, where a prefill chunk's GEMM is compute-bound, neither leads everywhere and oneDNN keeps them).
@@ -83,6 +93,7 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.native_max_rows = native_max_rows if weight.dtype == torch.float32 else 0
         self.panels = cpu_kernels.pack_linear_weight(weight) if self.native_max_rows else None
+        self.weight_format = cpu_kernels.WEIGHTS_F32  # of `panels`; a GGUF's blocks after `attach_block_panels`
         # Bytes beyond the model's parameters: the oneDNN copy replaces the parameter, unless that lives on in an
         # embedding (a `shared` weight); the native kernel's panels are one more copy.
         panel_bytes = 0 if self.panels is None else self.panels.numel() * self.panels.element_size()
@@ -90,7 +101,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None and x.dim() == 2 and x.shape[0] <= self.native_max_rows:
-            out = cpu_kernels.linear(x, self.panels, self.out_features, self.bias)
+            out = cpu_kernels.linear(x, self.panels, self.out_features, self.bias, self.weight_format)
             if out is not None:
                 return out
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -112,3 +123,39 @@ def pack_linears(model: nn.Module, native_max_rows: int = 0) -> int:
                 setattr(parent, name, PackedLinear(child, native_max_rows, shared))
                 swapped += 1
     return swapped
+
+
+def attach_block_panels(
+    model: nn.Module, blocks: Mapping[str, tuple[str, np.ndarray]], packed_modules: Mapping[str, tuple[str, int]]
+) -> dict[str, int]:
+    """Give each `PackedLinear` of `model` with native panels whose checkpoint weights all come as GGUF blocks of
+    one type (`loader.Checkpoint.blocks`: Q4_1 or Q8_0, by HF name) panels of those blocks instead of float32
+    (`cpu_kernels.pack_block_weight`): decode-size calls then stream the checkpoint's own bytes and dequantize
+    in registers to the very float32 weights the other paths use, so their results are unchanged, bit for bit.
+    A fused projection (`packed_modules`: checkpoint fragment -> (fused module fragment, shard index)) needs every
+    shard in the same type; a tied `lm_head` takes the embedding's blocks. Returns {type name: projections}."""
+    shards: dict[str, list[str]] = {}
+    for fragment, (fused, _) in sorted(packed_modules.items(), key=lambda item: item[1][1]):
+        shards.setdefault(fused, []).append(fragment)
+    counts: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, PackedLinear) or module.panels is None:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        prefix = f"{parent}." if parent else ""
+        sources = [f"{prefix}{fragment}.weight" for fragment in shards.get(leaf, [leaf])]
+        if name == "lm_head" and sources[0] not in blocks:
+            sources = ["model.embed_tokens.weight"]  # tied embeddings
+        found = [blocks.get(source) for source in sources]
+        kinds = {entry[0] for entry in found if entry is not None}
+        if None in found or len(kinds) != 1 or (kind := kinds.pop()) not in cpu_kernels.BLOCK_FORMATS:
+            continue
+        weight_format = cpu_kernels.BLOCK_FORMATS[kind]
+        raw = np.concatenate([entry[1] for entry in found if entry is not None])
+        panels = cpu_kernels.pack_block_weight(raw, weight_format, module.in_features)
+        if panels is None or raw.shape[0] != module.out_features:
+            continue
+        module.extra_bytes += panels.numel() - module.panels.numel() * module.panels.element_size()
+        module.panels, module.weight_format = panels, weight_format
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts

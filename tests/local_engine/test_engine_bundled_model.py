@@ -29,6 +29,9 @@ def test_bundled_model_matches_transformers_greedy(bundled_checkpoint: Any) -> N
         bundled_checkpoint,
         EngineConfig(device="cpu", kv_cache_memory=64 * 2**20, max_num_batched_tokens=32, max_num_seqs=4),
     )
+    # decode steps read the file's own Q4_1 projections and Q8_0 output embedding (tests/local_engine/
+    # test_gguf_block_panels.py): the same float32 results, checked here against transformers end to end
+    assert engine.runner.block_panels == {"Q4_1": 4 * 30, "Q8_0": 1}
     outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
     for prompt, [choice] in zip(prompts, outputs, strict=True):
         ids = torch.tensor([prompt])

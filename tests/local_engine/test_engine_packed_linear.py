@@ -50,9 +50,11 @@ def test_few_row_calls_take_the_native_kernel(monkeypatch: pytest.MonkeyPatch) -
     calls: list[int] = []
     native = cpu_kernels.linear
 
-    def counting(x: torch.Tensor, panels: torch.Tensor, num_out: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+    def counting(
+        x: torch.Tensor, panels: torch.Tensor, num_out: int, bias: torch.Tensor | None, weight_format: int
+    ) -> torch.Tensor | None:
         calls.append(x.shape[0])
-        return native(x, panels, num_out, bias)
+        return native(x, panels, num_out, bias, weight_format)
 
     monkeypatch.setattr(cpu_kernels, "linear", counting)
     for rows in (1, 4, 5, 64):

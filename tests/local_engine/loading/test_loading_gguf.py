@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -93,6 +94,21 @@ def test_tiny_gguf_with_tied_embeddings_and_q8_0(gguf_writer: Callable[..., Path
     for name, tensor in checkpoint.state_dict.items():
         # Q8_0 keeps 8 bits per weight with a per-32 scale: close, not equal.
         torch.testing.assert_close(tensor, original[name], rtol=0, atol=0.02, msg=name)
+
+
+def test_the_checkpoint_keeps_the_files_blocks_as_stored(gguf_writer: Callable[..., Path]) -> None:
+    """`Checkpoint.blocks`: each Q8_0 tensor's raw blocks, rows in HF order (Q/K un-permuted like the weights), that
+    dequantize to exactly the checkpoint's float32 weight (what the decode panels rely on)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    checkpoint = load_checkpoint(gguf_writer(tiny_model("llama"), "llama", quantize_q8=True))
+    assert {"model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"} <= set(checkpoint.blocks)
+    for name, (kind, raw) in checkpoint.blocks.items():
+        assert kind == "Q8_0" and raw.dtype == np.uint8
+        weights = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0).astype(np.float32))
+        assert torch.equal(weights, checkpoint.state_dict[name]), name
+    assert load_checkpoint(gguf_writer(tiny_model("llama"), "llama")).blocks == {}  # float32 tensors: no blocks
 
 
 def test_mistral_named_llama_file_and_linear_rope_scaling(gguf_writer: Callable[..., Path]) -> None:
