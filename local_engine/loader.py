@@ -82,11 +82,7 @@ def load_checkpoint(path: str | Path, cache_dir: Path | None = None, dtype: torc
         config, state_dict, tokenizer = _load_hf_directory(source, dtype)
         from_cache = False
     elif source.is_file():
-        config, state_dict, tokenizer, from_cache = _load_gguf(source, cache_dir, dtype)
-        if dtype == torch.float32:
-            from local_engine.gguf import read_gguf_blocks
-
-            blocks = read_gguf_blocks(source)
+        config, state_dict, tokenizer, from_cache, blocks = _load_gguf(source, cache_dir, dtype)
     else:
         raise EngineError(
             f"Model path {source} does not exist; point UNIGATE_ENGINE__MODEL_PATH (or the deployment's model_path) "
@@ -160,29 +156,31 @@ def normalize_hf_config(config: dict[str, Any], state_dict: dict[str, torch.Tens
 
 def _load_gguf(
     source: Path, cache_dir: Path | None, dtype: torch.dtype
-) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer, bool]:
-    from local_engine.gguf import read_gguf
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer, bool, dict[str, tuple[str, np.ndarray]]]:
+    """(config, state_dict, tokenizer, from the cache, the file's Q4_1 / Q8_0 blocks as stored)."""
+    from local_engine.gguf import read_gguf, read_gguf_blocks
 
     cache = WeightsCache(cache_dir) if cache_dir is not None else None
     entry = cache.lookup(source) if cache is not None else None
     if cache is not None and entry is not None:
         try:
             config, state_dict, tokenizer = _load_hf_directory(entry, dtype)
-            return config, state_dict, tokenizer, True
-        except EngineError:
+            return config, state_dict, tokenizer, True, cache.load_blocks(entry)
+        except (EngineError, OSError, ValueError):
             cache.discard(entry)
     converted = read_gguf(source)
     state_dict = converted.state_dict
     config = normalize_hf_config(converted.hf_config, state_dict, source)
     tokenizer = Tokenizer.from_gguf(source, converted.pre_tokenizer, _eos_ids(config))
+    blocks = read_gguf_blocks(source)
     if cache is not None:
         try:
-            cache.store(source, config, state_dict, tokenizer)
+            cache.store(source, config, state_dict, tokenizer, blocks)
         except OSError as exc:
             logger.warning(
                 "could not write the weights cache under %s (%s); the next start converts again", cache_dir, exc
             )
-    return config, _to_dtype(state_dict, dtype), tokenizer, False
+    return config, _to_dtype(state_dict, dtype), tokenizer, False, blocks
 
 
 def _load_hf_directory(

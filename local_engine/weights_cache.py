@@ -2,6 +2,8 @@
 
     <cache_dir>/<key>/config.json
                      /model.safetensors           float32, HF parameter names
+                     /gguf_blocks.safetensors     the file's Q4_1 / Q8_0 tensors as stored (uint8, HF names;
+                                                  the metadata names each one's type): the decode panels' source
                      /tokenizer.json, tokenizer_config.json, chat_template.jinja
                      /unigate-cache.json          written last: what the entry was converted from
 
@@ -22,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -33,9 +36,10 @@ logger = logging.getLogger("unigate.engine")
 
 # Bump when the conversion's output changes (names, permutation, config keys, tokenizer repair): old entries are
 # then ignored instead of served.
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: with gguf_blocks.safetensors
 MARKER_FILE = "unigate-cache.json"
 WEIGHTS_FILE = "model.safetensors"
+BLOCKS_FILE = "gguf_blocks.safetensors"
 
 
 def cache_key(source: Path) -> str:
@@ -61,9 +65,15 @@ class WeightsCache:
         return entry if (entry / MARKER_FILE).is_file() else None
 
     def store(
-        self, source: Path, hf_config: dict[str, Any], state_dict: dict[str, torch.Tensor], tokenizer: Tokenizer
+        self,
+        source: Path,
+        hf_config: dict[str, Any],
+        state_dict: dict[str, torch.Tensor],
+        tokenizer: Tokenizer,
+        blocks: dict[str, tuple[str, np.ndarray]] | None = None,
     ) -> Path:
         """Write an entry for `source` atomically and return its directory."""
+        from safetensors.numpy import save_file as save_arrays
         from safetensors.torch import save_file
 
         entry = self.entry_dir(source)
@@ -72,6 +82,9 @@ class WeightsCache:
         try:
             (staging / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
             save_file({name: t.contiguous() for name, t in state_dict.items()}, staging / WEIGHTS_FILE)
+            if blocks:
+                arrays = {name: np.ascontiguousarray(raw) for name, (_, raw) in blocks.items()}
+                save_arrays(arrays, staging / BLOCKS_FILE, metadata={name: kind for name, (kind, _) in blocks.items()})
             tokenizer.save_pretrained(staging)
             marker = {"source": str(source.resolve()), "format_version": CACHE_FORMAT_VERSION}
             (staging / MARKER_FILE).write_text(json.dumps(marker))
@@ -89,6 +102,18 @@ class WeightsCache:
             return entry
         self._remove_stale_entries(source, keep=entry)
         return entry
+
+    @staticmethod
+    def load_blocks(entry: Path) -> dict[str, tuple[str, np.ndarray]]:
+        """The entry's GGUF blocks by HF name: (type, raw uint8 [rows, bytes]); {} when the file had none."""
+        from safetensors import safe_open
+
+        path = entry / BLOCKS_FILE
+        if not path.is_file():
+            return {}
+        with safe_open(str(path), framework="np") as file:
+            kinds = file.metadata() or {}
+            return {name: (kinds[name], file.get_tensor(name)) for name in file.keys()}
 
     def discard(self, entry: Path) -> None:
         """Remove an entry that failed to load, so the next start converts again."""

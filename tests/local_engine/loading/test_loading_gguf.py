@@ -111,6 +111,15 @@ def test_the_checkpoint_keeps_the_files_blocks_as_stored(gguf_writer: Callable[.
     assert load_checkpoint(gguf_writer(tiny_model("llama"), "llama")).blocks == {}  # float32 tensors: no blocks
 
 
+def test_the_weights_cache_keeps_the_blocks(tmp_path: Path, gguf_writer: Callable[..., Path]) -> None:
+    path = gguf_writer(tiny_model("llama"), "llama", quantize_q8=True)
+    first = load_checkpoint(path, cache_dir=tmp_path / "cache")
+    again = load_checkpoint(path, cache_dir=tmp_path / "cache")
+    assert not first.from_cache and again.from_cache and first.blocks
+    assert {name: kind for name, (kind, _) in again.blocks.items()} == {n: k for n, (k, _) in first.blocks.items()}
+    assert all(np.array_equal(again.blocks[name][1], raw) for name, (_, raw) in first.blocks.items())
+
+
 def test_mistral_named_llama_file_and_linear_rope_scaling(gguf_writer: Callable[..., Path]) -> None:
     model = tiny_model("llama")
     path = gguf_writer(
