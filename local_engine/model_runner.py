@@ -116,7 +116,9 @@ class ModelRunner:
             native_rows = NATIVE_MAX_ROWS if native_cpu and cpu_kernels.is_available() else 0
             self.num_packed_linears = pack_linears(self.model, native_rows)
             if native_rows and block_weights and engine_config.cpu_gguf_blocks and self.dtype == torch.float32:
-                self.block_panels = attach_block_panels(self.model, block_weights, PACKED_MODULES)
+                self.block_panels = attach_block_panels(
+                    self.model, block_weights, PACKED_MODULES, model_config.tie_word_embeddings
+                )
             self.weights_bytes += sum(m.extra_bytes for m in self.model.modules() if isinstance(m, PackedLinear))
         self.activations_peak_bytes: int | None = None  # measured by the profiling pass (GPU only)
         self.capacity = self._plan_kv_cache()

@@ -126,14 +126,18 @@ def pack_linears(model: nn.Module, native_max_rows: int = 0) -> int:
 
 
 def attach_block_panels(
-    model: nn.Module, blocks: Mapping[str, tuple[str, np.ndarray]], packed_modules: Mapping[str, tuple[str, int]]
+    model: nn.Module,
+    blocks: Mapping[str, tuple[str, np.ndarray]],
+    packed_modules: Mapping[str, tuple[str, int]],
+    tied_embeddings: bool = False,
 ) -> dict[str, int]:
     """Give each `PackedLinear` of `model` with native panels whose checkpoint weights all come as GGUF blocks of
     one type (`loader.Checkpoint.blocks`: Q4_1 or Q8_0, by HF name) panels of those blocks instead of float32
     (`cpu_kernels.pack_block_weight`): decode-size calls then stream the checkpoint's own bytes and dequantize
     in registers to the very float32 weights the other paths use, so their results are unchanged, bit for bit.
     A fused projection (`packed_modules`: checkpoint fragment -> (fused module fragment, shard index)) needs every
-    shard in the same type; a tied `lm_head` takes the embedding's blocks. Returns {type name: projections}."""
+    shard in the same type; with `tied_embeddings`, `lm_head` takes the embedding's blocks. Returns {type name:
+    projections}."""
     shards: dict[str, list[str]] = {}
     for fragment, (fused, _) in sorted(packed_modules.items(), key=lambda item: item[1][1]):
         shards.setdefault(fused, []).append(fragment)
@@ -144,8 +148,8 @@ def attach_block_panels(
         parent, _, leaf = name.rpartition(".")
         prefix = f"{parent}." if parent else ""
         sources = [f"{prefix}{fragment}.weight" for fragment in shards.get(leaf, [leaf])]
-        if name == "lm_head" and sources[0] not in blocks:
-            sources = ["model.embed_tokens.weight"]  # tied embeddings
+        if name == "lm_head" and tied_embeddings:
+            sources = ["model.embed_tokens.weight"]
         found = [blocks.get(source) for source in sources]
         kinds = {entry[0] for entry in found if entry is not None}
         if None in found or len(kinds) != 1 or (kind := kinds.pop()) not in cpu_kernels.BLOCK_FORMATS:

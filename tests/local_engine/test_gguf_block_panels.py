@@ -138,10 +138,13 @@ def test_off_by_setting_and_for_mixed_types(llama: TinyModel) -> None:
         state_dict["model.layers.0.self_attn.v_proj.weight"], "Q8_0"
     )
     blocks["model.layers.0.self_attn.v_proj.weight"] = ("Q8_0", raw)
+    # and an untied output projection never takes the input embedding's blocks (llama3 here is untied)
+    raw, state_dict["model.embed_tokens.weight"] = blocks_of(state_dict["model.embed_tokens.weight"], "Q8_0")
+    blocks["model.embed_tokens.weight"] = ("Q8_0", raw)
     engine = LLMEngine(
         ModelConfig.from_hf_config(llama.hf_config),
         EngineConfig(device="cpu", kv_cache_memory=4 * 2**20),
         state_dict,
         block_weights=blocks,
     )
-    assert engine.runner.block_panels == {}
+    assert not llama.hf_config["tie_word_embeddings"] and engine.runner.block_panels == {}
