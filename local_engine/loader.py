@@ -49,7 +49,7 @@ class Checkpoint:
     load_seconds: float
     from_cache: bool
     # A GGUF source's Q4_1 / Q8_0 tensors as stored (HF name -> (type, raw blocks)): the native CPU kernel's
-    # decode panels keep them, dequantizing in registers (`layers/linear.py`, `attach_block_panels`).
+    # decode panels keep them, dequantizing a chunk at a time (`layers/linear.py`, `attach_block_panels`).
     blocks: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
 
     @property

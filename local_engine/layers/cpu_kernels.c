@@ -275,7 +275,7 @@ static inline __attribute__((always_inline)) void chunk_values(const int heads, 
 /* KV heads [kh_first, kh_last) of one sequence (q and out point at the sequence's first head). Per KV head, the
    context is taken SCORE_CHUNK keys at a time in two passes: the scores of all its query heads over the chunk,
    one softmax update per head over the whole chunk, then the weighted sum of the chunk's values with the
-   accumulators in registers across blocks (the AVX-512 forms where `wide`). */
+   accumulators of DECODE_HEADS query heads in registers across the chunk's blocks. */
 static void decode_one(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
                        int64_t context_len, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
                        int64_t block_size, float scale, int64_t kh_first, int64_t kh_last) {
@@ -629,7 +629,7 @@ static inline __attribute__((always_inline)) void linear_tile(const int rows, co
 }
 
 /* Weight formats of the panels. F32: [K][PANEL] floats per panel. The others keep a GGUF checkpoint's own blocks
- * of 32 weights along K (cpu_kernels.pack_block_weight reorders them into panels), dequantized in registers to
+ * of 32 weights along K (cpu_kernels.pack_block_weight reorders them into panels), dequantized a chunk at a time to
  * exactly the float32 values the checkpoint dequantizes to (`gguf.quants`: Q4_1 w = d * q + m, Q8_0 w = d * q;
  * d * q is exact in float32 and the one rounding of the add is the same in an FMA), so the projection's result is
  * the F32 panels' bit for bit while a decode step streams 5-6x fewer bytes of weights. Per panel and block of 32:

@@ -1,5 +1,5 @@
 """Decode projections on a GGUF checkpoint's own Q4_1 / Q8_0 blocks (`cpu_kernels.pack_block_weight`,
-`linear.attach_block_panels`): the kernel dequantizes in registers to exactly the float32 weights the checkpoint
+`linear.attach_block_panels`): the kernel dequantizes them on the fly to exactly the float32 weights the checkpoint
 dequantizes to, so every result equals the float32 panels' bit for bit — one projection, the fused decoder's
 hidden states, the engine's greedy tokens."""
 
