@@ -7,6 +7,7 @@ undone. The tokenizer is built elsewhere (`local_engine.tokenizer.Tokenizer.from
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 
 from gateway.errors import EngineError
 
-__all__ = ["GgufCheckpoint", "read_gguf", "read_gguf_blocks", "unpermute_rope_rows"]
+__all__ = ["BLOCK_TYPES", "GgufCheckpoint", "read_gguf", "unpermute_rope_rows"]
 
 GGUF_MAGIC = b"GGUF"
 
@@ -73,6 +74,9 @@ _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_NAME = re.compile(r"^(\w+)\.(weight|bias)$")
 
 
+BLOCK_TYPES = ("Q4_1", "Q8_0")  # quantizations the native CPU kernel reads as stored
+
+
 @dataclass(frozen=True)
 class GgufCheckpoint:
     """What a GGUF file holds besides its tokenizer: float32 weights under HF names."""
@@ -80,48 +84,41 @@ class GgufCheckpoint:
     hf_config: dict[str, Any]
     state_dict: dict[str, torch.Tensor]
     pre_tokenizer: str | None  # `tokenizer.ggml.pre`, e.g. "smollm"
+    # the tensors stored as one of BLOCK_TYPES, as stored: HF name -> (type, uint8 [rows, bytes per row])
+    blocks: dict[str, tuple[str, np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
 def read_gguf(path: Path) -> GgufCheckpoint:
-    """Dequantize every tensor of `path` to float32 and build the matching HF config."""
+    """Dequantize every tensor of `path` to float32 and build the matching HF config; the Q4_1 / Q8_0 tensors are
+    also kept as stored (`GgufCheckpoint.blocks`, in the same pass: the native CPU kernel's decode panels are built
+    from them, `layers/linear.py`, `attach_block_panels`)."""
     reader = _open_reader(path)
     metadata = _read_metadata(reader)
     tensor_names = {tensor.name for tensor in reader.tensors}
     config = gguf_to_hf_config(metadata, tensor_names, path)
     state_dict: dict[str, torch.Tensor] = {}
+    blocks: dict[str, tuple[str, np.ndarray]] = {}
     for tensor in reader.tensors:
         hf_name = _hf_tensor_name(tensor.name, path)
         weights = _dequantize(tensor, path)
+        raw = np.asarray(tensor.data)
+        keep = tensor.tensor_type.name in BLOCK_TYPES and raw.ndim == 2 and raw.dtype == np.uint8
         # The llama architecture (which also carries Mistral) is permuted; Qwen files keep HF's row order.
         if metadata["general.architecture"] == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             is_query = hf_name.split(".")[-2] == "q_proj"
             num_heads = config["num_attention_heads"] if is_query else config["num_key_value_heads"]
             weights = unpermute_rope_rows(weights, num_heads)
+            raw = unpermute_rope_rows(raw, num_heads) if keep else raw
         state_dict[hf_name] = torch.from_numpy(weights)
+        if keep:
+            blocks[hf_name] = (tensor.tensor_type.name, np.array(raw))  # a copy: the file closes
     pre = metadata.get("tokenizer.ggml.pre")
-    return GgufCheckpoint(hf_config=config, state_dict=state_dict, pre_tokenizer=pre if isinstance(pre, str) else None)
-
-
-def read_gguf_blocks(path: Path, types: tuple[str, ...] = ("Q4_1", "Q8_0")) -> dict[str, tuple[str, np.ndarray]]:
-    """The raw blocks of the 2-D tensors of `path` quantized as one of `types`, by HF name: (type name, uint8
-    [rows, bytes per row]), rows in HF order (Q/K rows un-permuted as in `read_gguf`). No dequantization: this
-    reads the memory-mapped file, fast enough to run on every start (the native CPU kernel's decode panels are
-    built from them: `layers/linear.py`, `attach_block_panels`)."""
-    reader = _open_reader(path)
-    metadata = _read_metadata(reader)
-    config = gguf_to_hf_config(metadata, {tensor.name for tensor in reader.tensors}, path)
-    blocks: dict[str, tuple[str, np.ndarray]] = {}
-    for tensor in reader.tensors:
-        data = np.asarray(tensor.data)
-        if tensor.tensor_type.name not in types or data.ndim != 2 or data.dtype != np.uint8:
-            continue
-        hf_name = _hf_tensor_name(tensor.name, path)
-        if metadata["general.architecture"] == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
-            is_query = hf_name.split(".")[-2] == "q_proj"
-            num_heads = config["num_attention_heads"] if is_query else config["num_key_value_heads"]
-            data = unpermute_rope_rows(data, num_heads)
-        blocks[hf_name] = (tensor.tensor_type.name, np.array(data))  # a copy: the file may close
-    return blocks
+    return GgufCheckpoint(
+        hf_config=config,
+        state_dict=state_dict,
+        pre_tokenizer=pre if isinstance(pre, str) else None,
+        blocks=blocks,
+    )
 
 
 def unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:

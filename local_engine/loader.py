@@ -158,7 +158,7 @@ def _load_gguf(
     source: Path, cache_dir: Path | None, dtype: torch.dtype
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer, bool, dict[str, tuple[str, np.ndarray]]]:
     """(config, state_dict, tokenizer, from the cache, the file's Q4_1 / Q8_0 blocks as stored)."""
-    from local_engine.gguf import read_gguf, read_gguf_blocks
+    from local_engine.gguf import read_gguf
 
     cache = WeightsCache(cache_dir) if cache_dir is not None else None
     entry = cache.lookup(source) if cache is not None else None
@@ -172,7 +172,7 @@ def _load_gguf(
     state_dict = converted.state_dict
     config = normalize_hf_config(converted.hf_config, state_dict, source)
     tokenizer = Tokenizer.from_gguf(source, converted.pre_tokenizer, _eos_ids(config))
-    blocks = read_gguf_blocks(source)
+    blocks = converted.blocks
     if cache is not None:
         try:
             cache.store(source, config, state_dict, tokenizer, blocks)
