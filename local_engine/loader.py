@@ -49,7 +49,8 @@ class Checkpoint:
     load_seconds: float
     from_cache: bool
     # A GGUF source's Q4_1 / Q8_0 tensors as stored (HF name -> (type, raw blocks)): the native CPU kernel's
-    # decode panels keep them, dequantizing a chunk at a time (`layers/linear.py`, `attach_block_panels`).
+    # decode panels keep them, dequantizing a chunk at a time (`layers/linear.py`, `attach_block_panels`). Only
+    # float32 checkpoints keep them: the panels dequantize to float32, so another dtype never reads them.
     blocks: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
 
     @property
@@ -165,22 +166,22 @@ def _load_gguf(
     if cache is not None and entry is not None:
         try:
             config, state_dict, tokenizer = _load_hf_directory(entry, dtype)
-            return config, state_dict, tokenizer, True, cache.load_blocks(entry)
+            blocks = cache.load_blocks(entry) if dtype == torch.float32 else {}
+            return config, state_dict, tokenizer, True, blocks
         except (EngineError, OSError, ValueError):
             cache.discard(entry)
     converted = read_gguf(source)
     state_dict = converted.state_dict
     config = normalize_hf_config(converted.hf_config, state_dict, source)
     tokenizer = Tokenizer.from_gguf(source, converted.pre_tokenizer, _eos_ids(config))
-    blocks = converted.blocks
     if cache is not None:
         try:
-            cache.store(source, config, state_dict, tokenizer, blocks)
+            cache.store(source, config, state_dict, tokenizer, converted.blocks)  # the cache serves every dtype
         except OSError as exc:
             logger.warning(
                 "could not write the weights cache under %s (%s); the next start converts again", cache_dir, exc
             )
-    return config, _to_dtype(state_dict, dtype), tokenizer, False, blocks
+    return config, _to_dtype(state_dict, dtype), tokenizer, False, converted.blocks if dtype == torch.float32 else {}
 
 
 def _load_hf_directory(

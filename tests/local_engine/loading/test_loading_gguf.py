@@ -62,6 +62,7 @@ def test_bundled_load_can_use_bfloat16(
 ) -> None:
     checkpoint = load_checkpoint(bundled_path, cache_dir=session_cache_dir, dtype=torch.bfloat16)
     assert checkpoint.from_cache
+    assert bundled_first_load.blocks and checkpoint.blocks == {}  # bfloat16 never reads the float32 block panels
     for name, tensor in checkpoint.state_dict.items():
         assert tensor.dtype == torch.bfloat16
         torch.testing.assert_close(tensor, bundled_first_load.state_dict[name].to(torch.bfloat16), rtol=0, atol=0)
@@ -118,6 +119,10 @@ def test_the_weights_cache_keeps_the_blocks(tmp_path: Path, gguf_writer: Callabl
     assert not first.from_cache and again.from_cache and first.blocks
     assert {name: kind for name, (kind, _) in again.blocks.items()} == {n: k for n, (k, _) in first.blocks.items()}
     assert all(np.array_equal(again.blocks[name][1], raw) for name, (_, raw) in first.blocks.items())
+    # bfloat16 drops them, converting or from the cache; the cache still keeps them for a later float32 load
+    assert load_checkpoint(path, dtype=torch.bfloat16).blocks == {}
+    assert load_checkpoint(path, cache_dir=tmp_path / "cache", dtype=torch.bfloat16).blocks == {}
+    assert load_checkpoint(path, cache_dir=tmp_path / "cache").blocks.keys() == first.blocks.keys()
 
 
 def test_mistral_named_llama_file_and_linear_rope_scaling(gguf_writer: Callable[..., Path]) -> None:
