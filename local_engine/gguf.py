@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from gateway.errors import EngineError
+from local_engine.layers.cpu_kernels import BLOCK_FORMATS
 
-__all__ = ["BLOCK_TYPES", "GgufCheckpoint", "read_gguf", "unpermute_rope_rows"]
+__all__ = ["GgufCheckpoint", "read_gguf", "unpermute_rope_rows"]
 
 GGUF_MAGIC = b"GGUF"
 
@@ -74,9 +75,6 @@ _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_NAME = re.compile(r"^(\w+)\.(weight|bias)$")
 
 
-BLOCK_TYPES = ("Q4_1", "Q8_0")  # quantizations the native CPU kernel reads as stored
-
-
 @dataclass(frozen=True)
 class GgufCheckpoint:
     """What a GGUF file holds besides its tokenizer: float32 weights under HF names."""
@@ -84,7 +82,7 @@ class GgufCheckpoint:
     hf_config: dict[str, Any]
     state_dict: dict[str, torch.Tensor]
     pre_tokenizer: str | None  # `tokenizer.ggml.pre`, e.g. "smollm"
-    # the tensors stored as one of BLOCK_TYPES, as stored: HF name -> (type, uint8 [rows, bytes per row])
+    # the tensors stored in a quantization the native CPU kernel reads as stored (`cpu_kernels.BLOCK_FORMATS`): HF name -> (type, uint8 [rows, bytes per row])
     blocks: dict[str, tuple[str, np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
@@ -102,7 +100,7 @@ def read_gguf(path: Path) -> GgufCheckpoint:
         hf_name = _hf_tensor_name(tensor.name, path)
         weights = _dequantize(tensor, path)
         raw = np.asarray(tensor.data)
-        keep = tensor.tensor_type.name in BLOCK_TYPES and raw.ndim == 2 and raw.dtype == np.uint8
+        keep = tensor.tensor_type.name in BLOCK_FORMATS and raw.ndim == 2 and raw.dtype == np.uint8
         # The llama architecture (which also carries Mistral) is permuted; Qwen files keep HF's row order.
         if metadata["general.architecture"] == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             is_query = hf_name.split(".")[-2] == "q_proj"
