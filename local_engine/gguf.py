@@ -82,7 +82,8 @@ class GgufCheckpoint:
     hf_config: dict[str, Any]
     state_dict: dict[str, torch.Tensor]
     pre_tokenizer: str | None  # `tokenizer.ggml.pre`, e.g. "smollm"
-    # the tensors stored in a quantization the native CPU kernel reads as stored (`cpu_kernels.BLOCK_FORMATS`): HF name -> (type, uint8 [rows, bytes per row])
+    # the tensors in a quantization the native CPU kernel reads as stored (`cpu_kernels.BLOCK_FORMATS`), as stored:
+    # HF name -> (type, uint8 [rows, bytes per row])
     blocks: dict[str, tuple[str, np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
