@@ -691,6 +691,79 @@ static void dequantize_panel(int format, const uint8_t *src, int64_t k_dim, floa
     }
 }
 
+/* Up to one row tile (decode batches of a few sequences), a block-format panel is dequantized in registers, a
+   block of 32 steps of K at a time, straight into the tile's FMAs: at a few rows, the L1 chunk's stores and
+   reloads cost more than the FMAs they feed. The same dequantization and the same FMAs per accumulator in the same
+   order as dequantize_panel + linear_tile, so the result is the chunked path's bit for bit. */
+#define REGISTER_ROWS LINEAR_ROWS
+
+static inline __attribute__((always_inline)) void block_tile(const int rows, const int format, const float *x,
+                                                             int64_t ldx, const uint8_t *panel, int64_t k_dim,
+                                                             float *y, int64_t ldy, int cols, const float *bias,
+                                                             const char *next) {
+    lanes_t acc[REGISTER_ROWS][LINEAR_VECS];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < LINEAR_VECS; j++) acc[r][j] = (lanes_t){0};
+    const int q4 = format == WEIGHTS_Q4_1, steps = q4 ? 16 : 32;  /* byte rows per block */
+    const int64_t block_bytes = (q4 ? 24 : 36) * LINEAR_PANEL, spacing = block_bytes / steps;
+    for (int64_t kb = 0; kb < k_dim / 32; kb++) {
+        const float *d = (const float *)(panel + kb * block_bytes), *xk = x + kb * 32;
+        const uint8_t *q = (const uint8_t *)(d + (q4 ? 2 : 1) * LINEAR_PANEL);
+        vec_t dj[LINEAR_VECS], mj[LINEAR_VECS];
+        for (int j = 0; j < LINEAR_VECS; j++) {
+            dj[j] = vec_load(d + j * LANES);
+            mj[j] = q4 ? vec_load(d + LINEAR_PANEL + j * LANES) : vec_zero();
+        }
+        for (int i = 0; i < steps; i++) {
+            if (next) {  /* the same block of the next panel, spread over the block's byte rows: every line once */
+                const char *line = next + kb * block_bytes + i * spacing;
+                _mm_prefetch(line, _MM_HINT_T0);
+                _mm_prefetch(line + spacing - 1, _MM_HINT_T0);
+            }
+            if (q4) {
+                lanes_t lo[LINEAR_VECS], hi[LINEAR_VECS];
+                for (int j = 0; j < LINEAR_VECS; j++) {
+                    const ivec_t pair = ivec_u8(q + i * LINEAR_PANEL + j * LANES);
+                    lo[j] = (lanes_t)vec_fmadd(ivec_float(ivec_low4(pair)), dj[j], mj[j]);
+                    hi[j] = (lanes_t)vec_fmadd(ivec_float(ivec_high4(pair)), dj[j], mj[j]);
+                }
+                for (int r = 0; r < rows; r++) {
+                    const float a = xk[r * ldx + 2 * i], b = xk[r * ldx + 2 * i + 1];
+                    for (int j = 0; j < LINEAR_VECS; j++) acc[r][j] += a * lo[j];
+                    for (int j = 0; j < LINEAR_VECS; j++) acc[r][j] += b * hi[j];
+                }
+            } else {
+                lanes_t w[LINEAR_VECS];
+                for (int j = 0; j < LINEAR_VECS; j++)
+                    w[j] = (lanes_t)vec_mul(ivec_float(ivec_i8(q + i * LINEAR_PANEL + j * LANES)), dj[j]);
+                for (int r = 0; r < rows; r++) {
+                    const float a = xk[r * ldx + i];
+                    for (int j = 0; j < LINEAR_VECS; j++) acc[r][j] += a * w[j];
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float out[LINEAR_PANEL];
+        for (int j = 0; j < LINEAR_VECS; j++) *(lanes_t *)(out + j * LINEAR_LANES) = acc[r][j];
+        for (int c = 0; c < cols; c++) y[r * ldy + c] = bias ? out[c] + bias[c] : out[c];
+    }
+}
+
+#define BLOCK_TILE(n, f) \
+    case n: block_tile(n, f, x, ldx, packed + p * bytes, k_dim, y + p * LINEAR_PANEL, n_dim, cols_out, b, next); break;
+#define BLOCK_TILES(f)                                                  \
+    switch ((int)m) {                                                   \
+        BLOCK_TILE(1, f) BLOCK_TILE(2, f) BLOCK_TILE(3, f) BLOCK_TILE(4, f) \
+        BLOCK_TILES_WIDE(f)                                             \
+        default: break;                                                 \
+    }
+#if LINEAR_ROWS > 4
+#define BLOCK_TILES_WIDE(f) BLOCK_TILE(5, f) BLOCK_TILE(6, f) BLOCK_TILE(7, f) BLOCK_TILE(8, f)
+#else
+#define BLOCK_TILES_WIDE(f)
+#endif
+
 /* This thread's scratch for block-format panels, grown to `floats` as needed and kept for the thread's life (a
    few dozen KiB: a dequantized chunk of a panel and the row tiles' partial sums). Null when it cannot be had. */
 static float *panel_scratch(int64_t floats) {
@@ -715,7 +788,8 @@ static float *panel_scratch(int64_t floats) {
 
 /* The panels of one projection, a contiguous range per thread of the enclosing parallel region (no barrier at
    the end: a caller that reads y next waits for the other threads itself). F32 panels are read in place, each
-   row tile over the whole of K. A block-format panel is dequantized DEQUANT_K steps of K at a time into this
+   row tile over the whole of K. Up to REGISTER_ROWS rows, a block-format panel is dequantized in registers
+   (block_tile). Beyond, it is dequantized DEQUANT_K steps of K at a time into this
    thread's scratch, every row tile running over that chunk with its partial sums kept in the scratch between
    chunks (float32 in memory: the sums are the same as in registers), then written out. Returns nonzero when the
    scratch could not be allocated (this thread's outputs are then not written). */
@@ -726,12 +800,22 @@ static int linear_panels(const float *x, int64_t ldx, int64_t m, const uint8_t *
     /* bytes of the next panel to prefetch per K step of each tile: the whole panel over all the tiles */
     const int64_t step = tiles ? (bytes / k_dim + tiles - 1) / tiles : 0;
     const int blocks = format != WEIGHTS_F32;
-    float *scratch = blocks ? panel_scratch((DEQUANT_K + tiles * LINEAR_ROWS) * LINEAR_PANEL) : 0;
-    if (blocks && !scratch) return 1;
+    float *scratch = blocks && m > REGISTER_ROWS ? panel_scratch((DEQUANT_K + tiles * LINEAR_ROWS) * LINEAR_PANEL) : 0;
+    if (blocks && m > REGISTER_ROWS && !scratch) return 1;
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t first = panels * t / threads, last = panels * (t + 1) / threads;
     for (int64_t p = first; p < last; p++) {
         const int cols_out = n_dim - p * LINEAR_PANEL < LINEAR_PANEL ? (int)(n_dim - p * LINEAR_PANEL) : LINEAR_PANEL;
+        if (blocks && m <= REGISTER_ROWS) {
+            const float *b = bias ? bias + p * LINEAR_PANEL : 0;
+            const char *next = p + 1 < last ? (const char *)(packed + (p + 1) * bytes) : 0;
+            if (format == WEIGHTS_Q4_1) {
+                BLOCK_TILES(WEIGHTS_Q4_1)
+            } else {
+                BLOCK_TILES(WEIGHTS_Q8_0)
+            }
+            continue;
+        }
         const float *b = blocks ? 0 : bias ? bias + p * LINEAR_PANEL : 0;
         const int cols = blocks ? LINEAR_PANEL : cols_out;
         float *out = blocks ? scratch + DEQUANT_K * LINEAR_PANEL : y + p * LINEAR_PANEL;
