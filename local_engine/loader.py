@@ -49,7 +49,7 @@ class Checkpoint:
     load_seconds: float
     from_cache: bool
     # A GGUF source's Q4_1 / Q8_0 tensors as stored (HF name -> (type, raw blocks)): the native CPU kernel's
-    # decode panels keep them, dequantizing a chunk at a time (`layers/linear.py`, `attach_block_panels`). Only
+    # decode panels keep them, dequantizing them on the fly (`layers/linear.py`, `attach_block_panels`). Only
     # float32 checkpoints keep them: the panels dequantize to float32, so another dtype never reads them.
     blocks: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
 

@@ -629,7 +629,7 @@ static inline __attribute__((always_inline)) void linear_tile(const int rows, co
 }
 
 /* Weight formats of the panels. F32: [K][PANEL] floats per panel. The others keep a GGUF checkpoint's own blocks
- * of 32 weights along K (cpu_kernels.pack_block_weight reorders them into panels), dequantized a chunk at a time to
+ * of 32 weights along K (cpu_kernels.pack_block_weight reorders them into panels), dequantized on the fly to
  * exactly the float32 values the checkpoint dequantizes to (`gguf.quants`: Q4_1 w = d * q + m, Q8_0 w = d * q;
  * d * q is exact in float32 and the one rounding of the add is the same in an FMA), so the projection's result is
  * the F32 panels' bit for bit while a decode step streams 5-6x fewer bytes of weights. Per panel and block of 32:
@@ -664,28 +664,34 @@ typedef __m256i ivec_t;
 #define ivec_float _mm256_cvtepi32_ps
 #endif
 
+/* LANES weights of one output row each from their block's scale d (and Q4_1's minimum m), by `gguf`'s arithmetic:
+   Q4_1 w = d * q + m (q: the low or high nibbles of a byte row), Q8_0 w = d * q. Both dequantizing paths below
+   use these, so they produce the same float32 weights. */
+static inline vec_t q4_1_weights(ivec_t nibbles, vec_t d, vec_t m) { return vec_fmadd(ivec_float(nibbles), d, m); }
+static inline vec_t q8_0_weights(const uint8_t *q, vec_t d) { return vec_mul(ivec_float(ivec_i8(q)), d); }
+
 /* `k_dim` steps of K (a multiple of 32) of a block-format panel into float32 [k_dim][PANEL] (the F32 panel layout). */
 static void dequantize_panel(int format, const uint8_t *src, int64_t k_dim, float *dst) {
     for (int64_t kb = 0; kb < k_dim / 32; kb++) {
         float *out = dst + kb * 32 * LINEAR_PANEL;
         if (format == WEIGHTS_Q4_1) {
-            const float *d = (const float *)(src + kb * 24 * LINEAR_PANEL), *m = d + LINEAR_PANEL;
+            const float *d = (const float *)(src + kb * panel_bytes(format, 32)), *m = d + LINEAR_PANEL;
             const uint8_t *q = (const uint8_t *)(m + LINEAR_PANEL);
             for (int64_t j = 0; j < LINEAR_PANEL; j += LANES) {
                 const vec_t dj = vec_load(d + j), mj = vec_load(m + j);
                 for (int64_t i = 0; i < 16; i++) {
                     const ivec_t pair = ivec_u8(q + i * LINEAR_PANEL + j);
-                    vec_store(out + (2 * i) * LINEAR_PANEL + j, vec_fmadd(ivec_float(ivec_low4(pair)), dj, mj));
-                    vec_store(out + (2 * i + 1) * LINEAR_PANEL + j, vec_fmadd(ivec_float(ivec_high4(pair)), dj, mj));
+                    vec_store(out + (2 * i) * LINEAR_PANEL + j, q4_1_weights(ivec_low4(pair), dj, mj));
+                    vec_store(out + (2 * i + 1) * LINEAR_PANEL + j, q4_1_weights(ivec_high4(pair), dj, mj));
                 }
             }
         } else {
-            const float *d = (const float *)(src + kb * 36 * LINEAR_PANEL);
-            const int8_t *q = (const int8_t *)(d + LINEAR_PANEL);
+            const float *d = (const float *)(src + kb * panel_bytes(format, 32));
+            const uint8_t *q = (const uint8_t *)(d + LINEAR_PANEL);
             for (int64_t j = 0; j < LINEAR_PANEL; j += LANES) {
                 const vec_t dj = vec_load(d + j);
                 for (int64_t i = 0; i < 32; i++)
-                    vec_store(out + i * LINEAR_PANEL + j, vec_mul(ivec_float(ivec_i8(q + i * LINEAR_PANEL + j)), dj));
+                    vec_store(out + i * LINEAR_PANEL + j, q8_0_weights(q + i * LINEAR_PANEL + j, dj));
             }
         }
     }
@@ -705,7 +711,7 @@ static inline __attribute__((always_inline)) void block_tile(const int rows, con
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < LINEAR_VECS; j++) acc[r][j] = (lanes_t){0};
     const int q4 = format == WEIGHTS_Q4_1, steps = q4 ? 16 : 32;  /* byte rows per block */
-    const int64_t block_bytes = (q4 ? 24 : 36) * LINEAR_PANEL, spacing = block_bytes / steps;
+    const int64_t block_bytes = panel_bytes(format, 32), spacing = block_bytes / steps;
     for (int64_t kb = 0; kb < k_dim / 32; kb++) {
         const float *d = (const float *)(panel + kb * block_bytes), *xk = x + kb * 32;
         const uint8_t *q = (const uint8_t *)(d + (q4 ? 2 : 1) * LINEAR_PANEL);
@@ -724,8 +730,8 @@ static inline __attribute__((always_inline)) void block_tile(const int rows, con
                 lanes_t lo[LINEAR_VECS], hi[LINEAR_VECS];
                 for (int j = 0; j < LINEAR_VECS; j++) {
                     const ivec_t pair = ivec_u8(q + i * LINEAR_PANEL + j * LANES);
-                    lo[j] = (lanes_t)vec_fmadd(ivec_float(ivec_low4(pair)), dj[j], mj[j]);
-                    hi[j] = (lanes_t)vec_fmadd(ivec_float(ivec_high4(pair)), dj[j], mj[j]);
+                    lo[j] = (lanes_t)q4_1_weights(ivec_low4(pair), dj[j], mj[j]);
+                    hi[j] = (lanes_t)q4_1_weights(ivec_high4(pair), dj[j], mj[j]);
                 }
                 for (int r = 0; r < rows; r++) {
                     const float a = xk[r * ldx + 2 * i], b = xk[r * ldx + 2 * i + 1];
@@ -735,7 +741,7 @@ static inline __attribute__((always_inline)) void block_tile(const int rows, con
             } else {
                 lanes_t w[LINEAR_VECS];
                 for (int j = 0; j < LINEAR_VECS; j++)
-                    w[j] = (lanes_t)vec_mul(ivec_float(ivec_i8(q + i * LINEAR_PANEL + j * LANES)), dj[j]);
+                    w[j] = (lanes_t)q8_0_weights(q + i * LINEAR_PANEL + j * LANES, dj[j]);
                 for (int r = 0; r < rows; r++) {
                     const float a = xk[r * ldx + i];
                     for (int j = 0; j < LINEAR_VECS; j++) acc[r][j] += a * w[j];
@@ -799,14 +805,14 @@ static int linear_panels(const float *x, int64_t ldx, int64_t m, const uint8_t *
     const int64_t tiles = (m + LINEAR_ROWS - 1) / LINEAR_ROWS;
     /* bytes of the next panel to prefetch per K step of each tile: the whole panel over all the tiles */
     const int64_t step = tiles ? (bytes / k_dim + tiles - 1) / tiles : 0;
-    const int blocks = format != WEIGHTS_F32;
-    float *scratch = blocks && m > REGISTER_ROWS ? panel_scratch((DEQUANT_K + tiles * LINEAR_ROWS) * LINEAR_PANEL) : 0;
-    if (blocks && m > REGISTER_ROWS && !scratch) return 1;
+    const int blocks = format != WEIGHTS_F32, in_registers = blocks && m <= REGISTER_ROWS;
+    float *scratch = blocks && !in_registers ? panel_scratch((DEQUANT_K + tiles * LINEAR_ROWS) * LINEAR_PANEL) : 0;
+    if (blocks && !in_registers && !scratch) return 1;
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t first = panels * t / threads, last = panels * (t + 1) / threads;
     for (int64_t p = first; p < last; p++) {
         const int cols_out = n_dim - p * LINEAR_PANEL < LINEAR_PANEL ? (int)(n_dim - p * LINEAR_PANEL) : LINEAR_PANEL;
-        if (blocks && m <= REGISTER_ROWS) {
+        if (in_registers) {
             const float *b = bias ? bias + p * LINEAR_PANEL : 0;
             const char *next = p + 1 < last ? (const char *)(packed + (p + 1) * bytes) : 0;
             if (format == WEIGHTS_Q4_1) {

@@ -12,8 +12,9 @@
   chunks: a stream of the weight at read bandwidth for a few rows and at the FMA units' rate for dozens, where
   oneDNN's and MKL's small-M paths reach about half of either (`layers/linear.py` calls it up to
   `linear.NATIVE_MAX_ROWS` rows). The panels may also hold a GGUF checkpoint's own Q4_1 or Q8_0 blocks
-  (`pack_block_weight`), dequantized a chunk at a time (in L1) to exactly the float32 weights the checkpoint
-  dequantizes to: the same result bit for bit, from 5-6x fewer bytes streamed per decode step;
+  (`pack_block_weight`), dequantized on the fly (in registers for a few rows, a chunk at a time in L1 beyond)
+  to exactly the float32 weights the checkpoint dequantizes to: the same result bit for bit, from 5-6x fewer
+  bytes streamed per decode step;
 - RMSNorm with its residual add, silu-and-mul and the KV cache write, one pass over the data each, where the
   torch ops take several (and a fresh tensor per step) for each;
 - the whole decoder stack of a decode step in one call (`DecoderWeights`, `Kernel.decode_layers`: the kernels

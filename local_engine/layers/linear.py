@@ -134,10 +134,10 @@ def attach_block_panels(
     """Give each `PackedLinear` of `model` with native panels whose checkpoint weights all come as GGUF blocks of
     one type (`loader.Checkpoint.blocks`: Q4_1 or Q8_0, by HF name) panels of those blocks instead of float32
     (`cpu_kernels.pack_block_weight`): decode-size calls then stream the checkpoint's own bytes and dequantize
-    them on the fly (a chunk at a time, in L1) to the very float32 weights the other paths use, so their results
-    are unchanged, bit for bit. A fused projection (`packed_modules`: checkpoint fragment -> (fused module
-    fragment, shard index)) needs every shard in the same type; with `tied_embeddings`, `lm_head` takes the
-    embedding's blocks. Returns {type name: projections}."""
+    them on the fly (in registers for a few rows, a chunk at a time in L1 beyond) to the very float32 weights the
+    other paths use, so their results are unchanged, bit for bit. A fused projection (`packed_modules`:
+    checkpoint fragment -> (fused module fragment, shard index)) needs every shard in the same type; with
+    `tied_embeddings`, `lm_head` takes the embedding's blocks. Returns {type name: projections}."""
     shards: dict[str, list[str]] = {}
     for fragment, (fused, _) in sorted(packed_modules.items(), key=lambda item: item[1][1]):
         shards.setdefault(fused, []).append(fragment)
