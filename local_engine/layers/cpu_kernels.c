@@ -361,12 +361,15 @@ void unigate_paged_decode_f32(const float *q, int64_t q_stride, const float *k_c
  * last q_len of its context_lens[s] (their K and V already in the cache); its token i attends keys
  * [0, context_len - q_len + i]. q [T, H, D] (token rows q_stride floats apart), out [T, H, D].
  *
- * Flash-attention style, on the CPU: one task per (sequence, KV head, PREFILL_TOKENS query tokens). A task first
- * copies the keys its tokens can see, transposed ([D][keys], LANES keys per vector), so that the scores of a tile
- * of up to PREFILL_ROWS query rows (token x query head of the group) against PREFILL_KEYS keys are PREFILL_ROWS x 3
- * vector accumulators, one broadcast q value per row and three K vectors per step along D: no horizontal sums, as
- * in the projections' micro-kernel. Then, per row and tile, an online-softmax update (keys past the row's causal limit left out) and the weighted sum of
- * their value rows into the row's output (kept in L1). The values are read in place from the cache blocks. */
+ * Flash-attention style, on the CPU. First, per (sequence, KV head), the context's keys are copied transposed
+ * ([D][keys], LANES keys per vector) and its value rows' addresses noted, once for all the tasks that read them
+ * (copied per task, the transposes took a quarter of the time). Then one task per (sequence, KV head,
+ * PREFILL_TOKENS query tokens): the scores of a tile of up to PREFILL_ROWS query rows (token x query head of the
+ * group) against PREFILL_KEYS keys are PREFILL_ROWS x 3 vector accumulators, one broadcast q value per row and
+ * three K vectors per step along D: no horizontal sums, as in the projections' micro-kernel. Then, per row and
+ * tile, an online-softmax update (keys past the row's causal limit left out) and the weighted sum of their value
+ * rows into the row's output (kept in L1). The values are read in place from the cache blocks; the next tile's
+ * query rows are prefetched (read cold, they stalled the tile's start). */
 #ifdef __AVX512F__
 #define PREFILL_ROWS 8
 #else
@@ -427,26 +430,39 @@ static inline __attribute__((always_inline)) void prefill_values(const int rows,
 
 #define PREFILL_SCORES(n) case n: prefill_scores(n, qs, kt + j0, kpad, dim, sc); break;
 
-static int prefill_task(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                        const int32_t *table, int64_t context_len, int64_t q_len, int64_t first_token,
-                        int64_t num_tokens, int64_t kh, float *out, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t dim, int64_t block_size, float scale) {
-    const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * dim;
-    const int64_t past = context_len - q_len;  /* token i sees keys [0, past + i] */
-    const int64_t num_keys = past + first_token + num_tokens, kpad = (num_keys + PREFILL_KEYS - 1) / PREFILL_KEYS * PREFILL_KEYS;
-    float *kt = malloc(sizeof(float) * dim * kpad);
-    if (!kt) return 1;
-    for (int64_t j = 0; j < kpad; j++) {
-        const float *row = j < num_keys ? k_cache + ((int64_t)table[j / block_size] * block_size + j % block_size) * token_stride + kh * dim : 0;
-        for (int64_t d = 0; d < dim; d++) kt[d * kpad + j] = row ? row[d] : 0.0f;
+/* Keys padded to whole score tiles. */
+static inline int64_t prefill_kpad(int64_t num_keys) { return (num_keys + PREFILL_KEYS - 1) / PREFILL_KEYS * PREFILL_KEYS; }
+
+/* The context's keys of KV head kh transposed into kt [dim][kpad] (zero past the context), and the addresses of
+   its value rows in vrows [kpad]: once per (sequence, KV head), shared by all its tasks. */
+static void prefill_keys(const float *k_cache, const float *v_cache, const int32_t *table, int64_t num_keys,
+                         int64_t kh, int64_t num_kv_heads, int64_t dim, int64_t block_size, float *kt,
+                         const float **vrows) {
+    const int64_t token_stride = num_kv_heads * dim, kpad = prefill_kpad(num_keys);
+    for (int64_t j = 0; j < num_keys; j++) {
+        const int64_t offset = ((int64_t)table[j / block_size] * block_size + j % block_size) * token_stride + kh * dim;
+        const float *row = k_cache + offset;
+        vrows[j] = v_cache + offset;
+        for (int64_t d = 0; d < dim; d++) kt[d * kpad + j] = row[d];
     }
+    for (int64_t d = 0; d < dim; d++)
+        for (int64_t j = num_keys; j < kpad; j++) kt[d * kpad + j] = 0.0f;
+}
+
+static void prefill_task(const float *q, int64_t q_stride, const float *kt, const float *const *vrows,
+                         int64_t context_len, int64_t q_len, int64_t first_token, int64_t num_tokens, int64_t kh,
+                         float *out, int64_t num_heads, int64_t num_kv_heads, int64_t dim, float scale) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t past = context_len - q_len;  /* token i sees keys [0, past + i] */
+    const int64_t kpad = prefill_kpad(context_len);
     float qs[PREFILL_ROWS * MAX_HEAD_DIM], o[PREFILL_ROWS * MAX_HEAD_DIM], sc[PREFILL_ROWS * PREFILL_KEYS];
     float running_max[PREFILL_ROWS], running_sum[PREFILL_ROWS];
     int64_t limit[PREFILL_ROWS];
-    const float *vrow[PREFILL_KEYS];
     const int64_t num_rows = num_tokens * group;
     for (int64_t r0 = 0; r0 < num_rows; r0 += PREFILL_ROWS) {
         const int rows = (int)(num_rows - r0 < PREFILL_ROWS ? num_rows - r0 : PREFILL_ROWS);
+        for (int64_t r = r0 + PREFILL_ROWS; r < r0 + 2 * PREFILL_ROWS && r < num_rows; r++)  /* the next tile's q */
+            prefetch(q + (first_token + r / group) * q_stride + (kh * group + r % group) * dim, dim);
         for (int r = 0; r < rows; r++) {
             const int64_t i = first_token + (r0 + r) / group, h = kh * group + (r0 + r) % group;
             const float *qr = q + i * q_stride + h * dim;
@@ -468,10 +484,7 @@ static int prefill_task(const float *q, int64_t q_stride, const float *k_cache, 
 #endif
                 default: break;
             }
-            for (int64_t t = 0; t < tile; t++) {
-                const int64_t j = j0 + t;
-                vrow[t] = v_cache + ((int64_t)table[j / block_size] * block_size + j % block_size) * token_stride + kh * dim;
-            }
+            const float *const *vrow = vrows + j0;
             for (int r = 0; r < rows;) {
                 int share = 1;
                 while (share < PREFILL_SHARE && r + share < rows && limit[r + share] == limit[r]) share++;
@@ -501,39 +514,59 @@ static int prefill_task(const float *q, int64_t q_stride, const float *k_cache, 
             for (int64_t d = 0; d < dim; d++) out[(i * num_heads + h) * dim + d] = o[r * dim + d] * inv;
         }
     }
-    free(kt);
-    return 0;
 }
 
 int unigate_paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                               const int32_t *block_tables, int64_t table_width, const int32_t *cu_seqlens_q,
                               const int32_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
-    /* tasks: (sequence, KV head, chunk of PREFILL_TOKENS tokens); first[s] = index of sequence s's first task */
-    int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1));
+    /* tasks: (sequence, KV head, chunk of PREFILL_TOKENS tokens); first[s] = index of sequence s's first task;
+       keys[s]: offset of sequence s's transposed keys (num_kv_heads x [dim][kpad] floats) and value addresses */
+    int64_t *first = malloc(sizeof(int64_t) * (2 * num_seqs + 2));
     if (!first) return 1;
-    int failed = 0;
-    first[0] = 0;
+    int64_t *keys = first + num_seqs + 1;
+    first[0] = keys[0] = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s];
         first[s + 1] = first[s] + (q_len + PREFILL_TOKENS - 1) / PREFILL_TOKENS * num_kv_heads;
+        keys[s + 1] = keys[s] + num_kv_heads * prefill_kpad(context_lens[s]);
+    }
+    float *kt = malloc(sizeof(float) * (head_dim * keys[num_seqs] + 1));
+    const float **vrows = malloc(sizeof(float *) * (keys[num_seqs] + 1));
+    if (!kt || !vrows) {
+        free(kt);
+        free(vrows);
+        free(first);
+        return 1;
     }
     const int64_t total = first[num_seqs];
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
-    for (int64_t it = 0; it < total; it++) {
-        const int64_t task = total - 1 - it;  /* a sequence's last chunks (the most keys) start first */
-        int64_t s = 0;
-        while (first[s + 1] <= task) s++;
-        const int64_t local = task - first[s], chunk = local / num_kv_heads, kh = local % num_kv_heads;
-        const int64_t start = cu_seqlens_q[s], q_len = cu_seqlens_q[s + 1] - start;
-        const int64_t first_token = chunk * PREFILL_TOKENS;
-        const int64_t n = q_len - first_token < PREFILL_TOKENS ? q_len - first_token : PREFILL_TOKENS;
-        failed |= prefill_task(q + start * q_stride, q_stride, k_cache, v_cache, block_tables + s * table_width,
-                               context_lens[s], q_len, first_token, n, kh, out + start * num_heads * head_dim,
-                               num_heads, num_kv_heads, head_dim, block_size, scale);
+#pragma omp parallel
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t unit = 0; unit < num_seqs * num_kv_heads; unit++) {
+            const int64_t s = unit / num_kv_heads, kh = unit % num_kv_heads, kpad = prefill_kpad(context_lens[s]);
+            prefill_keys(k_cache, v_cache, block_tables + s * table_width, context_lens[s], kh, num_kv_heads, head_dim,
+                         block_size, kt + (keys[s] + kh * kpad) * head_dim, vrows + keys[s] + kh * kpad);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < total; it++) {
+            const int64_t task = total - 1 - it;  /* a sequence's last chunks (the most keys) start first */
+            int64_t s = 0;
+            while (first[s + 1] <= task) s++;
+            const int64_t local = task - first[s], chunk = local / num_kv_heads, kh = local % num_kv_heads;
+            const int64_t start = cu_seqlens_q[s], q_len = cu_seqlens_q[s + 1] - start;
+            const int64_t first_token = chunk * PREFILL_TOKENS;
+            const int64_t n = q_len - first_token < PREFILL_TOKENS ? q_len - first_token : PREFILL_TOKENS;
+            const int64_t kpad = prefill_kpad(context_lens[s]);
+            prefill_task(q + start * q_stride, q_stride, kt + (keys[s] + kh * kpad) * head_dim,
+                         vrows + keys[s] + kh * kpad, context_lens[s], q_len, first_token, n, kh,
+                         out + start * num_heads * head_dim, num_heads, num_kv_heads, head_dim, scale);
+        }
     }
+    free(kt);
+    free(vrows);
     free(first);
-    return failed;  /* nonzero: a task's scratch could not be allocated (its rows are not written) */
+    return 0;  /* nonzero (above): the transposed keys could not be allocated (nothing is written) */
 }
 
 /* Rotary embedding in place, HF rotate_half style: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) over the two
