@@ -68,3 +68,18 @@ def test_engine_throughput_profiles_the_engine_ops(fused: bool) -> None:
     for label in ("projections", "logits", decode, "paged_prefill_attention", "rms_norm", "sampler"):
         assert f"  {label} " in out, label
     assert "unigate engine  TTFT" in out  # the batch-1 run after it, on the unwrapped ops
+
+
+def test_engine_throughput_alternates_rounds_against_transformers() -> None:
+    out = run("benchmarks/engine_throughput.py", "--quick", "--num-requests", "2", "--rounds", "2")
+    rows = [line.split("  ")[0] for line in out.splitlines() if line.startswith(("unigate engine #", "transformers"))]
+    assert rows == [
+        "unigate engine #1",
+        "transformers static bs=8 #1",
+        "unigate engine #2",
+        "transformers static bs=8 #2",
+    ]
+    ratios = [line for line in out.splitlines() if "vs best static" in line]
+    assert len(ratios) == 2 and all(line.rstrip().endswith("x") for line in ratios)
+    assert "throughput vs median of 2 rounds:" in out
+    assert "transformers    TTFT" in out
