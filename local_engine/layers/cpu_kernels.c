@@ -545,6 +545,7 @@ int unigate_paged_prefill_f32(const float *q, int64_t q_stride, const float *k_c
 #pragma omp for schedule(dynamic, 1)
         for (int64_t unit = 0; unit < num_seqs * num_kv_heads; unit++) {
             const int64_t s = unit / num_kv_heads, kh = unit % num_kv_heads, kpad = prefill_kpad(context_lens[s]);
+            if (cu_seqlens_q[s + 1] == cu_seqlens_q[s]) continue;  /* no new tokens: no task reads its keys */
             prefill_keys(k_cache, v_cache, block_tables + s * table_width, context_lens[s], kh, num_kv_heads, head_dim,
                          block_size, kt + (keys[s] + kh * kpad) * head_dim, vrows + keys[s] + kh * kpad);
         }
