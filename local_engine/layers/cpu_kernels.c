@@ -434,7 +434,7 @@ static inline __attribute__((always_inline)) void prefill_values(const int rows,
 static inline int64_t prefill_kpad(int64_t num_keys) { return (num_keys + PREFILL_KEYS - 1) / PREFILL_KEYS * PREFILL_KEYS; }
 
 /* The context's keys of KV head kh transposed into kt [dim][kpad] (zero past the context), and the addresses of
-   its value rows in vrows [kpad]: once per (sequence, KV head), shared by all its tasks. */
+   its value rows in vrows [num_keys]: once per (sequence, KV head), shared by all its tasks. */
 static void prefill_keys(const float *k_cache, const float *v_cache, const int32_t *table, int64_t num_keys,
                          int64_t kh, int64_t num_kv_heads, int64_t dim, int64_t block_size, float *kt,
                          const float **vrows) {
