@@ -92,7 +92,9 @@ def greedy(num_output: int) -> SamplingParams:
 
 
 def run_engine(engine: LLMEngine, requests: list[Request]) -> RunResult:
-    engine.block_manager.reset_prefix_cache()  # random prompts share nothing, but start from a clean cache anyway
+    # Random prompts share nothing, but start from a clean cache anyway: a later round must not find the last one's.
+    engine.block_manager.reset_prefix_cache()
+    hits_before = engine.block_manager.num_hit_tokens
     started = time.perf_counter()
     first: dict[str, float] = {}
     done: dict[str, float] = {}
@@ -123,6 +125,7 @@ def run_engine(engine: LLMEngine, requests: list[Request]) -> RunResult:
             "preemptions": engine.scheduler.num_preemptions,
             "kv_utilisation_mean": statistics.fmean(utilisation) if utilisation else 1.0,
             "kv_utilisation_min": min(utilisation) if utilisation else 1.0,
+            "prefix_hit_tokens": engine.block_manager.num_hit_tokens - hits_before,
         },
     )
 

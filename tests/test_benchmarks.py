@@ -79,6 +79,9 @@ def test_engine_throughput_alternates_rounds_against_transformers() -> None:
         "unigate engine #2",
         "transformers static bs=8 #2",
     ]
+    # Each round computes every prompt again: nothing is served from the last round's prefix cache.
+    engine_rows = [line for line in out.splitlines() if line.startswith("unigate engine #")]
+    assert all("prefix_hit_tokens=0" in line for line in engine_rows)
     ratios = [line for line in out.splitlines() if "vs best static" in line]
     assert len(ratios) == 2 and all(line.rstrip().endswith("x") for line in ratios)
     assert "throughput vs median of 2 rounds:" in out
