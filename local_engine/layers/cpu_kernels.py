@@ -4,7 +4,7 @@
   blocks out of the cache first (`torch_ops._gather`) and runs SDPA with a query length of one GQA group, which
   the CPU kernels handle poorly;
 - paged prefill attention (causal, chunked prefill and cached prefixes included), flash-attention style on the
-  CPU: the keys a task's query tokens see copied once, transposed, so that scores are register-tiled outer products
+  CPU: each sequence's keys copied once per KV head, transposed, so that scores are register-tiled outer products
   (no horizontal sums), values read in place from the cache; torch's flash SDPA path gathers each sequence's
   blocks first and runs at about 60% of its speed here;
 - rotary embedding on q and k in place, one pass instead of a dozen small torch ops per layer;
@@ -279,7 +279,7 @@ def paged_prefill_attention(
 ) -> torch.Tensor | None:
     """The signature of `torch_ops.paged_prefill_attention`; None when the kernel is unavailable or the inputs are
     outside what it handles (head dims that are not a multiple of the vector width included). Raises MemoryError
-    when the kernel cannot allocate its scratch (a task's transposed keys) rather than return unwritten rows."""
+    when the kernel cannot allocate its scratch (the sequences' transposed keys) rather than return unwritten rows."""
     del max_seqlen_q  # the kernel splits each sequence into tasks itself
     kernel = load()
     if (
@@ -310,7 +310,7 @@ def paged_prefill_attention(
         k_cache.shape[1],
         scale,
     ):
-        raise MemoryError("prefill attention: out of memory for a task's transposed keys")
+        raise MemoryError("prefill attention: out of memory for the sequences' transposed keys")
     return out
 
 
