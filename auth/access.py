@@ -6,11 +6,17 @@ allowlist, budget, concurrency, RPM, TPM — so a revocation takes effect on eve
 in-process cache holds verified keys for `limits.key_cache_ttl_s`; it serves `authenticate` and carries cached
 keys through a Redis outage, and is invalidated through pub/sub (`ug:events`) when an admin changes a key.
 
-When Redis fails (`StorageError`), `settings.redis_failure_mode` decides: `closed` → 503 `limits_unavailable`
+When Redis fails (`StorageError`: unreachable, timed out, or refusing for its own state),
+`settings.redis_failure_mode` decides: `closed` → 503 `limits_unavailable`
 except for keys verified within the cache lifetime; `open` → serve every key this instance has verified before,
 without limits (an unknown key still cannot be verified, so it still gets 503). Every bypass is logged and
 counted. Nothing waits on a dead Redis for longer than the client's socket timeout, and after one failure the
 next `_FAST_FAIL_S` skip Redis entirely.
+
+A script that raises (`ScriptError`) is a bug of ours, not an outage: it is logged once per script and line,
+counted per script (`num_script_errors`), and never opens the fast-fail window or bypasses a limit. An admission
+or upstream lease that hits one answers 500 `internal_error`; a settle that hits one is lost (and counted) while
+the response goes out normally.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from redis.typing import EncodableT
 from auth import redis_names, scripts
 from auth.base import KEY_PREFIX, Admission, Principal, UpstreamLease, model_allowed, wrong_prefix_error
 from auth.keys import hash_key, new_request_id
-from auth.scripts import AdmitReply, StorageError, storage_errors
+from auth.scripts import DEFAULT_SCRIPTS, AdmitReply, ScriptError, ScriptSet, StorageError, storage_errors
 from auth.store import KeyRecord, KeyStore
 from gateway.errors import (
     AuthError,
@@ -100,6 +106,7 @@ class _SettleBatch:
 
     key_id: str
     items: list[scripts.SettleItem] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)  # the gateway's request ids, for logs
     futures: list[asyncio.Future[None]] = field(default_factory=list)
 
 
@@ -147,8 +154,16 @@ def _rejection(reply: AdmitReply, principal: Principal | None, model: str, estim
             param="model",
         )
     if status == "budget_exceeded":
+        if reply.budget_unit == "micros":
+            spent = f"${reply.budget_spent / 1e6:,.6f}".rstrip("0").rstrip(".")
+            limit = f"${reply.budget_limit / 1e6:,.6f}".rstrip("0").rstrip(".")
+            what, field_name = f"spend budget is used up: {spent} spent of {limit}", "budget_usd"
+        else:
+            what = f"token budget is used up: {reply.budget_spent} tokens spent of {reply.budget_limit}"
+            field_name = "token_budget"
+        period = " in this budget period" if retry_ms else ""
         return BudgetExceededError(
-            "This API key's token budget is spent. Ask the gateway admin to raise `token_budget`"
+            f"This API key's {what}{period}. Ask the gateway admin to raise `{field_name}`"
             + (" or wait for the budget period to reset." if retry_ms else "."),
             headers=_retry_after(retry_ms) if retry_ms else {},
         )
@@ -169,9 +184,12 @@ def _rejection(reply: AdmitReply, principal: Principal | None, model: str, estim
         )
     if status == "tokens_limit_exceeded":
         if estimated_tokens > reply.tpm_limit:
-            message = (
+            # Waiting never helps: no retry hint, and the headers say nothing was spent.
+            return LimitError(
                 f"This request may use up to {estimated_tokens} tokens, more than this key's whole limit of "
-                f"{reply.tpm_limit} tokens per minute. Lower max_tokens or shorten the prompt."
+                f"{reply.tpm_limit} tokens per minute, so it can never fit. Lower max_tokens or shorten the prompt.",
+                code="tokens_limit_exceeded",
+                headers=_headers(reply),
             )
         else:
             message = (
@@ -185,10 +203,20 @@ def _rejection(reply: AdmitReply, principal: Principal | None, model: str, estim
 class RedisAccess:
     """`AccessControl` over Redis. Call `start()` once (the lifespan does) and `aclose()` at shutdown."""
 
-    def __init__(self, redis: Redis, *, settings: Settings, master_key: str, rate_window_s: float = 60.0) -> None:
-        """`rate_window_s` is the RPM/TPM window: 60 s in production; tests shorten it to cross its edge."""
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        settings: Settings,
+        master_key: str,
+        rate_window_s: float = 60.0,
+        script_set: ScriptSet = DEFAULT_SCRIPTS,
+    ) -> None:
+        """`rate_window_s` is the RPM/TPM window: 60 s in production; tests shorten it to cross its edge, or pass
+        a `script_set` with a test clock to move time instead."""
         self._redis = redis
-        self._store = KeyStore(redis)
+        self._scripts = script_set
+        self._store = KeyStore(redis, scripts=script_set)
         self._pipe = scripts.CommandPipe(redis)  # admit / settle / upstream leases, auto-pipelined
         self._blocking = _blocking_client(redis, read_timeout_s=_POLL_S + 1.0)
         self._master_key = master_key.encode()
@@ -207,6 +235,8 @@ class RedisAccess:
         # Counters for the app's metrics registry (gateway/metrics exports them; no global registry here).
         self.num_storage_errors = 0
         self.num_limit_bypasses = 0
+        self.num_script_errors: dict[str, int] = {}  # per script name
+        self._logged_script_errors: set[tuple[str, int]] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -214,7 +244,7 @@ class RedisAccess:
         """Register the scripts (best effort: NOSCRIPT recovery covers a Redis that is down now) and start
         listening for key changes."""
         try:
-            await scripts.register_all(self._redis)
+            await scripts.register_all(self._redis, self._scripts)
         except StorageError as exc:
             await self._note_failure("register_scripts", exc)
         if self._listener is None:
@@ -310,6 +340,16 @@ class RedisAccess:
                 await pool.disconnect(inuse_connections=False)
         await self._pipe.disconnect()
 
+    def _note_script_error(self, error: ScriptError, request_id: str) -> None:
+        """Count a script error and log it the first time its script and line fail (the detail names both)."""
+        self.num_script_errors[error.script] = self.num_script_errors.get(error.script, 0) + 1
+        where = (error.script, error.line)
+        if where not in self._logged_script_errors:
+            self._logged_script_errors.add(where)
+            logger.error(
+                "Lua script %s failed at line %d (request %s): %s", error.script, error.line, request_id, error.detail
+            )
+
     def _check_redis_up(self) -> None:
         if time.monotonic() < self._redis_down_until:
             raise _FastFailError("Redis failed moments ago; not retrying yet.", headers={"retry-after": "1"})
@@ -361,14 +401,14 @@ class RedisAccess:
         cached.check()
         return cached.principal
 
-    async def admit(self, credential: str, *, model: str, estimated_tokens: int) -> Admission:
+    async def admit(self, credential: str, *, model: str, estimated_tokens: int, request_id: str = "") -> Admission:
         if self._is_master(credential):
-            return Admission(principal=self._master, model=model, settles_late=True)
+            return Admission(principal=self._master, model=model, settles_late=True, request_id=request_id)
         if not credential.startswith(KEY_PREFIX):
             raise wrong_prefix_error()
         key_hash = hash_key(credential)
         cached = self._cache.get(key_hash)
-        request_id = new_request_id()
+        lease_id = new_request_id()
         try:
             self._check_redis_up()
             key_id = cached.key_id if cached is not None else await self._store.find_id(key_hash)
@@ -380,15 +420,21 @@ class RedisAccess:
                 key_hash=key_hash,
                 model=model,
                 estimated_tokens=estimated_tokens,
-                request_id=request_id,
+                request_id=lease_id,
                 lease_ttl_ms=self._lease_ttl_ms,
                 window_ms=self._window_ms,
                 cached_version=cached.version if cached is not None else None,
+                scripts=self._scripts,
             )
+        except ScriptError as error:
+            self._note_script_error(error, request_id)
+            raise
         except StorageError as exc:
             await self._note_failure("admit", exc)
             principal = self._without_redis(cached, model)
-            return Admission(principal=principal, model=model, lease_id=request_id, settles_late=True)
+            return Admission(
+                principal=principal, model=model, lease_id=lease_id, settles_late=True, request_id=request_id
+            )
         if reply.record:
             cached = self._remember(key_hash, KeyRecord.from_hash(reply.record))
         if reply.status == "invalid_api_key":
@@ -399,16 +445,25 @@ class RedisAccess:
         return Admission(
             principal=cached.principal,
             model=model,
-            reserved_tokens=max(estimated_tokens, 0),
-            lease_id=request_id,
+            reserved_tokens=scripts.clamp_tokens(estimated_tokens),
+            lease_id=lease_id,
             headers=_headers(reply),
             settles_late=reply.leases_remaining != 0,  # see Admission.settles_late
+            request_id=request_id,
         )
 
-    def begin_settle(self, admission: Admission, *, prompt_tokens: int, completion_tokens: int) -> Awaitable[None]:
-        """True up the reservation, release the concurrency lease and record usage; queued on the command pipe
-        before this returns. Never fails for Redis failures: the reservation then ages out of the window and the
-        lease expires.
+    def begin_settle(
+        self,
+        admission: Admission,
+        *,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cost_micros: int = 0,
+        is_priced: bool = False,
+    ) -> Awaitable[None]:
+        """True up the reservation, release the concurrency lease and record usage and spend; queued on the
+        command pipe before this returns. Never fails for Redis failures: the reservation then ages out of the
+        window and the lease expires.
 
         The settles of one key queued before the pipe writes its next batch share one script call, so the record
         and usage updates cost Redis once per batch (at c=32 on one key that halved Redis' time per request)."""
@@ -432,13 +487,30 @@ class RedisAccess:
                 prompt_tokens=prompt_tokens,
                 completion_tokens=completion_tokens,
                 model=admission.model,
+                cost_micros=cost_micros,
+                is_priced=is_priced,
             )
         )
+        batch.request_ids.append(admission.request_id)
         batch.futures.append(future)
         return future
 
-    async def settle(self, admission: Admission, *, prompt_tokens: int, completion_tokens: int) -> None:
-        await self.begin_settle(admission, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+    async def settle(
+        self,
+        admission: Admission,
+        *,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cost_micros: int = 0,
+        is_priced: bool = False,
+    ) -> None:
+        await self.begin_settle(
+            admission,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cost_micros=cost_micros,
+            is_priced=is_priced,
+        )
 
     def _close_batch(self, batch: _SettleBatch) -> None:
         if self._open_settles.get(batch.key_id) is batch:
@@ -453,23 +525,28 @@ class RedisAccess:
             window_ms=self._window_ms,
             marker_ttl_ms=_MARKER_TTL_MS,
             usage_retention_s=_USAGE_RETENTION_S,
+            scripts=self._scripts,
         )
 
     async def _finish_settles(self, batch: _SettleBatch, reply: asyncio.Future[Any]) -> None:
         try:
             try:
-                async with storage_errors():
-                    try:
-                        await reply
-                    except NoScriptError:  # Redis restarted or was flushed: register and send the batch again
-                        await scripts.settle_requests(
-                            self._pipe,
-                            key_id=batch.key_id,
-                            items=batch.items,
-                            window_ms=self._window_ms,
-                            marker_ttl_ms=_MARKER_TTL_MS,
-                            usage_retention_s=_USAGE_RETENTION_S,
-                        )
+                try:
+                    scripts.settled_flags(await reply, self._scripts)
+                except NoScriptError:  # Redis restarted or was flushed: register and send the batch again
+                    await scripts.settle_requests(
+                        self._pipe,
+                        key_id=batch.key_id,
+                        items=batch.items,
+                        window_ms=self._window_ms,
+                        marker_ttl_ms=_MARKER_TTL_MS,
+                        usage_retention_s=_USAGE_RETENTION_S,
+                        scripts=self._scripts,
+                    )
+                except (TimeoutError, RedisError, OSError) as exc:
+                    raise scripts.classify_failure(exc, self._scripts.settle) from exc
+            except ScriptError as error:
+                self._note_script_error(error, ",".join(filter(None, batch.request_ids)) or batch.key_id)
             except StorageError as exc:
                 await self._note_failure("settle", exc)
         finally:
@@ -499,6 +576,7 @@ class RedisAccess:
                     lease_ttl_ms=self._lease_ttl_ms,
                     wait_timeout_ms=int(timeout_s * 1000) + 1000,
                     queue_entry=entry,
+                    scripts=self._scripts,
                 )
                 if is_held:
                     return UpstreamLease(deployment=deployment, lease_id=lease_id)
@@ -506,6 +584,10 @@ class RedisAccess:
                 if remaining_s <= 0:
                     break
                 await self._wait_for_wake(wake_key, max(min(remaining_s, _POLL_S), 0.01))
+        except ScriptError as error:
+            self._note_script_error(error, lease_id)
+            self._in_background(self._withdraw(deployment, lease_id, entry))
+            raise
         except StorageError as exc:
             await self._note_failure("acquire_upstream", exc)
             self.num_limit_bypasses += 1
@@ -534,8 +616,15 @@ class RedisAccess:
         """Leave the queue; a slot handed over in the meantime passes on to the next waiter."""
         try:
             await scripts.release_upstream(
-                self._pipe, deployment=deployment, lease_id=lease_id, queue_entry=entry, handoff_ttl_ms=_HANDOFF_TTL_MS
+                self._pipe,
+                deployment=deployment,
+                lease_id=lease_id,
+                queue_entry=entry,
+                handoff_ttl_ms=_HANDOFF_TTL_MS,
+                scripts=self._scripts,
             )
+        except ScriptError as error:
+            self._note_script_error(error, lease_id)
         except StorageError as exc:
             await self._note_failure("release_upstream", exc)
 

@@ -7,6 +7,7 @@ rotate responses, added by the route.
 from __future__ import annotations
 
 import datetime as dt
+from decimal import Decimal
 from typing import Any, Literal, TypeVar
 
 import orjson
@@ -26,6 +27,7 @@ __all__ = [
 ]
 
 _MAX_MODELS = 256
+_MAX_BUDGET_USD = 1_000_000_000  # keeps micro-units far inside a Lua double's exact integers
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
@@ -49,6 +51,7 @@ class KeyCreateBody(BaseModel):
     tpm: int | None = Field(default=None, ge=0)
     max_concurrent: int | None = Field(default=None, ge=1)
     token_budget: int | None = Field(default=None, ge=0)
+    budget_usd: Decimal | None = Field(default=None, ge=0, le=_MAX_BUDGET_USD, decimal_places=6)
     budget_period: Literal["total", "day", "month"] = "total"
     expires_at: AwareDatetime | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -70,6 +73,7 @@ class KeyUpdateBody(BaseModel):
     tpm: int | None = Field(default=None, ge=0)
     max_concurrent: int | None = Field(default=None, ge=1)
     token_budget: int | None = Field(default=None, ge=0)
+    budget_usd: Decimal | None = Field(default=None, ge=0, le=_MAX_BUDGET_USD, decimal_places=6)
     budget_period: Literal["total", "day", "month"] | None = None
     expires_at: AwareDatetime | None = None
     metadata: dict[str, Any] | None = None
@@ -87,7 +91,15 @@ class KeyUpdateBody(BaseModel):
 def _to_record_fields(values: dict[str, Any]) -> dict[str, Any]:
     if "expires_at" in values and values["expires_at"] is not None:
         values["expires_at"] = int(values["expires_at"].timestamp() * 1000)
+    if "budget_usd" in values:  # stored as integer micro-units, like the spend it is compared with
+        budget = values.pop("budget_usd")
+        values["budget_micros"] = None if budget is None else int(budget * 1_000_000)
     return values
+
+
+def usd(micros: int) -> float:
+    """Micro-units as a JSON number of currency units (exact to the micro-unit for any real budget)."""
+    return micros / 1_000_000
 
 
 def parse_body(raw: bytes, model: type[BodyT]) -> BodyT:
@@ -116,6 +128,7 @@ def rfc3339(ms: int | None) -> str | None:
 def record_json(record: KeyRecord, now_ms: int) -> dict[str, Any]:
     """The public shape of a key record (no secret, no hash)."""
     budget_spent = record.budget_spent(now_ms)
+    spend_micros = record.budget_spend_micros(now_ms)
     return {
         "object": "api_key",
         "id": record.id,
@@ -137,6 +150,12 @@ def record_json(record: KeyRecord, now_ms: int) -> dict[str, Any]:
         "budget_period": record.budget_period,
         "budget_spent": budget_spent,
         "budget_remaining": None if record.token_budget is None else max(record.token_budget - budget_spent, 0),
+        "budget_usd": None if record.budget_micros is None else usd(record.budget_micros),
+        "budget_usd_spent": usd(spend_micros),
+        "budget_usd_remaining": None
+        if record.budget_micros is None
+        else usd(max(record.budget_micros - spend_micros, 0)),
+        "spend_usd": usd(record.spend_micros),
         "tokens_spent": record.tokens_spent,
         "num_requests": record.num_requests,
         "prompt_tokens": record.prompt_tokens,
@@ -153,7 +172,11 @@ def _row_json(row: UsageRow) -> dict[str, Any]:
         prompt_tokens=row.prompt_tokens,
         completion_tokens=row.completion_tokens,
         total_tokens=row.prompt_tokens + row.completion_tokens,
+        spend_usd=usd(row.cost_micros),
+        unpriced_requests=row.num_unpriced,
     )
+    if not row.model:
+        del shaped["model"]
     return shaped
 
 
@@ -170,5 +193,8 @@ def totals_json(totals: UsageTotals) -> dict[str, Any]:
         "prompt_tokens": totals.prompt_tokens,
         "completion_tokens": totals.completion_tokens,
         "total_tokens": totals.prompt_tokens + totals.completion_tokens,
+        "spend_usd": usd(totals.cost_micros),
+        "unpriced_requests": totals.num_unpriced,
         "by_model": [_row_json(row) for row in totals.by_model],
+        "by_day": [_row_json(row) for row in totals.by_day],
     }

@@ -13,13 +13,14 @@ import fnmatch
 import hmac
 from collections.abc import Awaitable, Generator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from gateway.errors import AuthError
 
 __all__ = [
     "KEY_PREFIX",
     "AccessControl",
+    "AccessStats",
     "Admission",
     "MasterKeyAccess",
     "Principal",
@@ -64,6 +65,7 @@ class Admission:
     # behind it on the one Redis connection anyway. False: the client waits for the settle (the lease it frees
     # may be the one its next request needs, possibly on another instance).
     settles_late: bool = False
+    request_id: str = ""  # the gateway's request id (x-request-id), for logs
 
 
 @dataclass(slots=True)
@@ -77,18 +79,35 @@ class AccessControl(Protocol):
         """Verify a key (401 `invalid_api_key` / `key_revoked` / `key_expired`)."""
         ...
 
-    async def admit(self, credential: str, *, model: str, estimated_tokens: int) -> Admission:
+    async def admit(self, credential: str, *, model: str, estimated_tokens: int, request_id: str = "") -> Admission:
         """Verify the key, its model allowlist (403 `model_not_allowed`) and its limits (429 / 503), reserving
-        `estimated_tokens` and a concurrency slot."""
+        `estimated_tokens` and a concurrency slot. `request_id` only labels logs."""
         ...
 
-    def begin_settle(self, admission: Admission, *, prompt_tokens: int, completion_tokens: int) -> Awaitable[None]:
-        """Charge real usage (refunding the reservation's difference), record usage, release the lease. Idempotent.
-        The settle is queued before this returns (so every admission this instance makes afterwards sees it);
-        await the result for it to be done. Never fails for storage errors."""
+    def begin_settle(
+        self,
+        admission: Admission,
+        *,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cost_micros: int = 0,
+        is_priced: bool = False,
+    ) -> Awaitable[None]:
+        """Charge real usage (refunding the reservation's difference) and its cost (integer micro-units of the
+        price currency; `is_priced` False when the model has no price), record usage, release the lease.
+        Idempotent. The settle is queued before this returns (so every admission this instance makes afterwards
+        sees it); await the result for it to be done. Never fails for storage errors."""
         ...
 
-    async def settle(self, admission: Admission, *, prompt_tokens: int, completion_tokens: int) -> None:
+    async def settle(
+        self,
+        admission: Admission,
+        *,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cost_micros: int = 0,
+        is_priced: bool = False,
+    ) -> None:
         """`begin_settle` and wait for it."""
         ...
 
@@ -99,6 +118,15 @@ class AccessControl(Protocol):
     async def release_upstream(self, lease: UpstreamLease) -> None: ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class AccessStats(Protocol):
+    """Counters an access control may keep for /metrics (the Redis-backed one does)."""
+
+    num_storage_errors: int  # Redis calls that failed for the store itself
+    num_limit_bypasses: int  # requests served without their limits checked (Redis down, failure mode)
+    num_script_errors: dict[str, int]  # our own script bugs, by script name
 
 
 def extract_credential(headers: Mapping[str, str]) -> str:
@@ -161,14 +189,31 @@ class MasterKeyAccess:
             raise wrong_prefix_error()
         raise AuthError("Invalid API key: no such key. Check for typos or create one with `unigate keys create`.")
 
-    async def admit(self, credential: str, *, model: str, estimated_tokens: int) -> Admission:
-        return Admission(principal=await self.authenticate(credential), model=model, settles_late=True)
+    async def admit(self, credential: str, *, model: str, estimated_tokens: int, request_id: str = "") -> Admission:
+        principal = await self.authenticate(credential)
+        return Admission(principal=principal, model=model, settles_late=True, request_id=request_id)
 
-    def begin_settle(self, admission: Admission, *, prompt_tokens: int, completion_tokens: int) -> Awaitable[None]:
+    def begin_settle(
+        self,
+        admission: Admission,
+        *,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cost_micros: int = 0,
+        is_priced: bool = False,
+    ) -> Awaitable[None]:
         admission.is_settled = True
         return _DONE
 
-    async def settle(self, admission: Admission, *, prompt_tokens: int, completion_tokens: int) -> None:
+    async def settle(
+        self,
+        admission: Admission,
+        *,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cost_micros: int = 0,
+        is_priced: bool = False,
+    ) -> None:
         await self.begin_settle(admission, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
 
     async def acquire_upstream(self, deployment: str, *, max_in_flight: int, timeout_s: float) -> UpstreamLease:

@@ -12,7 +12,19 @@ from rich.table import Table
 
 __all__ = ["keys_app", "register"]
 
-_RECORD_COLUMNS = ("id", "name", "key_prefix", "models", "rpm", "tpm", "max_concurrent", "token_budget", "revoked")
+_RECORD_COLUMNS = (
+    "id",
+    "name",
+    "key_prefix",
+    "models",
+    "rpm",
+    "tpm",
+    "max_concurrent",
+    "token_budget",
+    "budget_usd",
+    "spend_usd",
+    "revoked",
+)
 
 BaseUrl = Annotated[str, typer.Option("--base-url", envvar="UNIGATE_BASE_URL", help="The running gateway.")]
 MasterKey = Annotated[
@@ -98,6 +110,7 @@ def _limits_body(
     tpm: int | None,
     max_concurrent: int | None,
     token_budget: int | None,
+    budget_usd: float | None,
     budget_period: str | None,
     expires_at: str | None,
     metadata: str | None,
@@ -109,6 +122,7 @@ def _limits_body(
         "tpm": tpm,
         "max_concurrent": max_concurrent,
         "token_budget": token_budget,
+        "budget_usd": budget_usd,
         "budget_period": budget_period,
         "expires_at": expires_at,
     }
@@ -128,7 +142,10 @@ Rpm = Annotated[int | None, typer.Option(help="Requests per minute.")]
 Tpm = Annotated[int | None, typer.Option(help="Tokens per minute.")]
 MaxConcurrent = Annotated[int | None, typer.Option(help="Requests in flight at once.")]
 TokenBudget = Annotated[int | None, typer.Option(help="Prompt + completion tokens allowed (per budget period).")]
-BudgetPeriod = Annotated[str | None, typer.Option(help="total, day or month.")]
+BudgetUsd = Annotated[
+    float | None, typer.Option(help="Spend allowed in USD (per budget period), priced from the routing file.")
+]
+BudgetPeriod = Annotated[str | None, typer.Option(help="total, day or month (shared by both budgets).")]
 ExpiresAt = Annotated[str | None, typer.Option(help="RFC 3339 time, e.g. 2030-01-01T00:00:00Z.")]
 Metadata = Annotated[str | None, typer.Option(help="JSON object stored with the key.")]
 
@@ -137,7 +154,15 @@ def _print_usage(data: dict[str, Any], rows: list[dict[str, Any]], *, is_totals:
     if as_json:
         typer.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         return
-    columns: tuple[str, ...] = ("date", "model", "requests", "prompt_tokens", "completion_tokens", "total_tokens")
+    columns: tuple[str, ...] = (
+        "date",
+        "model",
+        "requests",
+        "prompt_tokens",
+        "completion_tokens",
+        "total_tokens",
+        "spend_usd",
+    )
     if is_totals:
         columns = columns[1:]
     table = Table(*columns)
@@ -146,7 +171,8 @@ def _print_usage(data: dict[str, Any], rows: list[dict[str, Any]], *, is_totals:
     _console().print(table)
     if is_totals:
         _console().print(
-            f"total: {data['requests']} requests, {data['total_tokens']} tokens over {data['num_keys']} keys",
+            f"total: {data['requests']} requests, {data['total_tokens']} tokens, ${data['spend_usd']:.6f} "
+            f"over {data['num_keys']} keys",
             highlight=False,
         )
 
@@ -159,6 +185,7 @@ def create(
     tpm: Tpm = None,
     max_concurrent: MaxConcurrent = None,
     token_budget: TokenBudget = None,
+    budget_usd: BudgetUsd = None,
     budget_period: BudgetPeriod = None,
     expires_at: ExpiresAt = None,
     metadata: Metadata = None,
@@ -167,7 +194,9 @@ def create(
     as_json: AsJson = False,
 ) -> None:
     """Create a key; its secret is printed this once."""
-    body = _limits_body(name, model, rpm, tpm, max_concurrent, token_budget, budget_period, expires_at, metadata)
+    body = _limits_body(
+        name, model, rpm, tpm, max_concurrent, token_budget, budget_usd, budget_period, expires_at, metadata
+    )
     _print_record(_call("POST", base_url, master_key, "/admin/keys", json=body), as_json)
 
 
@@ -210,18 +239,22 @@ def update(
     tpm: Tpm = None,
     max_concurrent: MaxConcurrent = None,
     token_budget: TokenBudget = None,
+    budget_usd: BudgetUsd = None,
     budget_period: BudgetPeriod = None,
     expires_at: ExpiresAt = None,
     metadata: Metadata = None,
     unset: Annotated[
-        list[str] | None, typer.Option(help="Remove a limit: rpm, tpm, max_concurrent, token_budget, expires_at.")
+        list[str] | None,
+        typer.Option(help="Remove a limit: rpm, tpm, max_concurrent, token_budget, budget_usd, expires_at."),
     ] = None,
     base_url: BaseUrl = _DEFAULT_BASE_URL,
     master_key: MasterKey = None,
     as_json: AsJson = False,
 ) -> None:
     """Change a key's name, models, limits, budget or expiry."""
-    body = _limits_body(name, model, rpm, tpm, max_concurrent, token_budget, budget_period, expires_at, metadata)
+    body = _limits_body(
+        name, model, rpm, tpm, max_concurrent, token_budget, budget_usd, budget_period, expires_at, metadata
+    )
     body.update(dict.fromkeys(unset or []))
     if not body:
         _fail("nothing to change: pass at least one option")

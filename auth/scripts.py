@@ -2,7 +2,16 @@
 
 Scripts are read from the package (shipped as package data), registered once with SCRIPT LOAD, and called by
 SHA; a Redis that restarted or was flushed answers NOSCRIPT, and the call registers the script again and retries
-once. Every Redis failure leaves this module (and `store`, `access`) as `StorageError`.
+once.
+
+Failures leave this module as one of two types, and the difference matters:
+- `StorageError`: Redis could not be reached, timed out, or refused for a server-side state (read-only replica,
+  out of memory, loading, busy, cluster down). Callers may fall back on their failure mode.
+- `ScriptError`: a script of ours raised (a Lua runtime error) or answered something we cannot parse. That is a
+  bug, never an outage: callers must not skip a limit or enter a "Redis is down" state for it.
+
+The time every script reads (`now_ms()`) is Redis' TIME. `ScriptSet(clock_key=...)` builds the same scripts with
+a clock read from a Redis string key instead, for tests that move time across minutes, days and months.
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ import asyncio
 import contextlib
 import hashlib
 import math
+import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -23,17 +33,22 @@ from redis.exceptions import DataError, NoScriptError, RedisError, ResponseError
 from redis.typing import EncodableT
 
 from auth import redis_names
-from gateway.errors import UnavailableError
+from gateway.errors import GatewayError, UnavailableError
 
 __all__ = [
+    "DEFAULT_SCRIPTS",
+    "MAX_TOKENS",
     "AdmitReply",
     "CommandPipe",
     "LuaScript",
+    "ScriptError",
+    "ScriptSet",
     "SettleItem",
     "StorageError",
     "acquire_upstream",
     "admit_request",
     "as_text",
+    "classify_failure",
     "register_all",
     "release_upstream",
     "settle_command",
@@ -50,7 +65,42 @@ class StorageError(UnavailableError):
     code = "storage_unavailable"
 
 
+class ScriptError(GatewayError):
+    """A script of ours failed (Lua runtime error) or answered what we cannot parse: a unigate bug, not an outage.
+    Rendered as 500 `internal_error`; `script` and `line` say where, for the log and the metric."""
+
+    status_code = 500
+    type = "api_error"
+    code = "internal_error"
+
+    def __init__(self, script: str, detail: str, *, line_offset: int = 0) -> None:
+        super().__init__(
+            "The gateway's limit check failed because of an internal error (a bug in unigate, logged with this "
+            "request's id). No limit was skipped; retry, and report it if it persists."
+        )
+        self.script = script
+        self.detail = detail
+        match = _SCRIPT_LINE.search(detail)
+        self.line = max(int(match.group(1)) - line_offset, 0) if match else 0  # the line in `<script>.lua`
+
+
 _STORAGE_FAILURES = (TimeoutError, RedisError, OSError)
+_SCRIPT_LINE = re.compile(r"user_script:(\d+)")
+# Error replies that describe the server's state (a read-only replica after a failover, out of memory, still
+# loading, a busy script, a cluster that is down or resharding, ACLs): the store is unusable, not our script.
+# Inside a script Redis 6 wraps them ("... @user_script:12: -READONLY ..."), Redis 7 starts with them.
+_SERVER_STATE = re.compile(
+    r"(?:^|-)(?:READONLY|OOM|MISCONF|NOREPLICAS|MASTERDOWN|LOADING|BUSY|CLUSTERDOWN|TRYAGAIN|MOVED|ASK|NOPERM)\b"
+)
+
+
+def classify_failure(exc: BaseException, script: LuaScript) -> StorageError | ScriptError:
+    """A failed script call as an outage (`StorageError`) or a bug of ours (`ScriptError`)."""
+    if isinstance(exc, ResponseError) and not _SERVER_STATE.search(str(exc)):
+        return ScriptError(script.name, str(exc), line_offset=script.num_prelude_lines)
+    if isinstance(exc, ValueError | TypeError | IndexError | KeyError | AttributeError):
+        return ScriptError(script.name, f"unreadable reply ({type(exc).__name__}: {exc})")
+    return _storage_error(exc)
 
 
 def _storage_error(exc: BaseException) -> StorageError:
@@ -224,12 +274,20 @@ def _read_lua(name: str) -> str:
     return (_LUA_DIR / name).read_text(encoding="utf-8")
 
 
-class LuaScript:
-    """One script: its source (the shared calendar prelude + the file), its SHA, and NOSCRIPT recovery."""
+def _test_clock(clock_key: str) -> str:
+    # Reads a key the script does not declare in KEYS: fine on a standalone test server, never used in production.
+    return f"local function now_ms() return tonumber(redis.call('GET', '{clock_key}')) end"
 
-    def __init__(self, name: str) -> None:
+
+class LuaScript:
+    """One script: its source (clock + calendar prelude + the file), its SHA, and NOSCRIPT recovery."""
+
+    def __init__(self, name: str, *, clock_key: str | None = None) -> None:
         self.name = name
-        self.source = _read_lua("_calendar.lua") + "\n" + _read_lua(f"{name}.lua")
+        clock = _read_lua("_clock.lua") if clock_key is None else _test_clock(clock_key)
+        prelude = clock + "\n" + _read_lua("_calendar.lua")
+        self.num_prelude_lines = prelude.count("\n") + 1
+        self.source = prelude + "\n" + _read_lua(f"{name}.lua")
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
     async def register(self, redis: Redis | CommandPipe) -> None:
@@ -237,7 +295,8 @@ class LuaScript:
             await redis.script_load(self.source)
 
     async def __call__(self, redis: Redis | CommandPipe, keys: Sequence[str], args: Sequence[EncodableT]) -> Any:
-        # The same translation as `storage_errors()`, inlined: this runs twice per request.
+        # The same translation as `storage_errors()`, inlined (this runs twice per request), except that an error
+        # raised by the script itself is a `ScriptError`.
         try:
             try:
                 return await redis.evalsha(self.sha, len(keys), *keys, *args)
@@ -245,19 +304,30 @@ class LuaScript:
                 await redis.script_load(self.source)
                 return await redis.evalsha(self.sha, len(keys), *keys, *args)
         except _STORAGE_FAILURES as exc:
-            raise _storage_error(exc) from exc
+            raise classify_failure(exc, self) from exc
 
 
-_ADMIT = LuaScript("admit_request")
-_SETTLE = LuaScript("settle_request")
-_ACQUIRE = LuaScript("acquire_upstream")
-_RELEASE = LuaScript("release_upstream")
-_UPDATE = LuaScript("update_key")
-ALL_SCRIPTS = (_ADMIT, _SETTLE, _ACQUIRE, _RELEASE, _UPDATE)
+class ScriptSet:
+    """The scripts of one gateway, sharing one clock: Redis TIME, or (tests) the integer in `clock_key` (ms)."""
+
+    def __init__(self, *, clock_key: str | None = None) -> None:
+        self.clock_key = clock_key
+        self.admit = LuaScript("admit_request", clock_key=clock_key)
+        self.settle = LuaScript("settle_request", clock_key=clock_key)
+        self.acquire = LuaScript("acquire_upstream", clock_key=clock_key)
+        self.release = LuaScript("release_upstream", clock_key=clock_key)
+        self.update = LuaScript("update_key", clock_key=clock_key)
+
+    @property
+    def all(self) -> tuple[LuaScript, ...]:
+        return (self.admit, self.settle, self.acquire, self.release, self.update)
 
 
-async def register_all(redis: Redis) -> None:
-    for script in ALL_SCRIPTS:
+DEFAULT_SCRIPTS = ScriptSet()
+
+
+async def register_all(redis: Redis, scripts: ScriptSet = DEFAULT_SCRIPTS) -> None:
+    for script in scripts.all:
         await script.register(redis)
 
 
@@ -279,6 +349,16 @@ class AdmitReply:
     tpm_reset_ms: int
     retry_after_ms: int
     leases_remaining: int  # concurrency slots still free after this request; -1 = no concurrency limit
+    budget_spent: int = 0  # on budget_exceeded: spent in the budget's period, in budget_unit
+    budget_limit: int = 0
+    budget_unit: str = ""  # "tokens" | "micros" (integer micro-units of the price currency) | ""
+
+
+MAX_TOKENS = 2**40  # any token count sent to a script is clamped to [0, MAX_TOKENS] (a Lua double holds it exactly)
+
+
+def clamp_tokens(value: int) -> int:
+    return min(max(int(value), 0), MAX_TOKENS)
 
 
 async def admit_request(
@@ -292,6 +372,7 @@ async def admit_request(
     lease_ttl_ms: int,
     window_ms: int,
     cached_version: int | None,
+    scripts: ScriptSet = DEFAULT_SCRIPTS,
 ) -> AdmitReply:
     keys = (
         redis_names.key_record(key_id),
@@ -301,8 +382,15 @@ async def admit_request(
         redis_names.key_leases(key_id),
     )
     version = "" if cached_version is None else str(cached_version)
-    args = (key_hash, model, max(estimated_tokens, 0), request_id, lease_ttl_ms, window_ms, version)
-    reply = await _ADMIT(redis, keys, args)
+    args = (key_hash, model, clamp_tokens(estimated_tokens), request_id, lease_ttl_ms, window_ms, version)
+    reply = await scripts.admit(redis, keys, args)
+    try:
+        return _admit_reply(reply)
+    except (ValueError, TypeError, IndexError) as exc:
+        raise classify_failure(exc, scripts.admit) from exc
+
+
+def _admit_reply(reply: Any) -> AdmitReply:
     flat = [as_text(item) for item in reply[2]]
     return AdmitReply(
         status=as_text(reply[0]),
@@ -316,6 +404,9 @@ async def admit_request(
         tpm_reset_ms=int(reply[8]),
         retry_after_ms=int(reply[9]),
         leases_remaining=int(reply[10]),
+        budget_spent=int(reply[11]),
+        budget_limit=int(reply[12]),
+        budget_unit=as_text(reply[13]),
     )
 
 
@@ -328,6 +419,8 @@ class SettleItem:
     prompt_tokens: int
     completion_tokens: int
     model: str
+    cost_micros: int = 0  # integer micro-units of the price currency
+    is_priced: bool = False  # False: the model has no price configured, so it cost 0
 
 
 def _settle_keys_and_args(
@@ -346,26 +439,37 @@ def _settle_keys_and_args(
         keys.append(redis_names.key_settled(key_id, item.request_id))
         args += (
             item.request_id,
-            max(item.reserved_tokens, 0),
-            max(item.prompt_tokens, 0),
-            max(item.completion_tokens, 0),
+            clamp_tokens(item.reserved_tokens),
+            clamp_tokens(item.prompt_tokens),
+            clamp_tokens(item.completion_tokens),
             item.model,
+            min(max(int(item.cost_micros), 0), 2**50),
+            1 if item.is_priced else 0,
         )
     return keys, args
 
 
 def settle_command(
-    *, key_id: str, items: Sequence[SettleItem], window_ms: int, marker_ttl_ms: int, usage_retention_s: int
+    *,
+    key_id: str,
+    items: Sequence[SettleItem],
+    window_ms: int,
+    marker_ttl_ms: int,
+    usage_retention_s: int,
+    scripts: ScriptSet = DEFAULT_SCRIPTS,
 ) -> tuple[EncodableT, ...]:
     """The EVALSHA that settles a batch of one key's requests (for `CommandPipe.submit`); its reply goes to
     `settled_flags`. A NOSCRIPT reply means: call `settle_requests` with the same items (it registers the script)."""
     keys, args = _settle_keys_and_args(key_id, items, window_ms, marker_ttl_ms, usage_retention_s)
-    return ("EVALSHA", _SETTLE.sha, len(keys), *keys, *args)
+    return ("EVALSHA", scripts.settle.sha, len(keys), *keys, *args)
 
 
-def settled_flags(reply: Any) -> list[bool]:
+def settled_flags(reply: Any, scripts: ScriptSet = DEFAULT_SCRIPTS) -> list[bool]:
     """Per request of a settle batch: whether this call settled it (False: it had been settled before)."""
-    return [bool(int(flag)) for flag in reply]
+    try:
+        return [bool(int(flag)) for flag in reply]
+    except (ValueError, TypeError) as exc:
+        raise classify_failure(exc, scripts.settle) from exc
 
 
 async def settle_requests(
@@ -376,10 +480,11 @@ async def settle_requests(
     window_ms: int,
     marker_ttl_ms: int,
     usage_retention_s: int,
+    scripts: ScriptSet = DEFAULT_SCRIPTS,
 ) -> list[bool]:
     """Settle a batch of one key's requests in one script call (registering the script when Redis lost it)."""
     keys, args = _settle_keys_and_args(key_id, items, window_ms, marker_ttl_ms, usage_retention_s)
-    return settled_flags(await _SETTLE(redis, keys, args))
+    return settled_flags(await scripts.settle(redis, keys, args), scripts)
 
 
 def _upstream_keys(deployment: str) -> tuple[str, str, str]:
@@ -399,22 +504,32 @@ async def acquire_upstream(
     lease_ttl_ms: int,
     wait_timeout_ms: int,
     queue_entry: str,
+    scripts: ScriptSet = DEFAULT_SCRIPTS,
 ) -> tuple[bool, str]:
     """(is_held, queue entry to pass back on the next call or on giving up)."""
     args = (lease_id, max_in_flight, lease_ttl_ms, wait_timeout_ms, queue_entry)
-    reply = await _ACQUIRE(redis, _upstream_keys(deployment), args)
-    return bool(int(reply[0])), as_text(reply[1])
+    reply = await scripts.acquire(redis, _upstream_keys(deployment), args)
+    try:
+        return bool(int(reply[0])), as_text(reply[1])
+    except (ValueError, TypeError, IndexError) as exc:
+        raise classify_failure(exc, scripts.acquire) from exc
 
 
 async def release_upstream(
-    redis: Redis | CommandPipe, *, deployment: str, lease_id: str, queue_entry: str, handoff_ttl_ms: int
+    redis: Redis | CommandPipe,
+    *,
+    deployment: str,
+    lease_id: str,
+    queue_entry: str,
+    handoff_ttl_ms: int,
+    scripts: ScriptSet = DEFAULT_SCRIPTS,
 ) -> int:
     """Free the lease (and/or leave the queue); returns how many waiters were handed a slot."""
     args = (lease_id, queue_entry, redis_names.upstream_prefix(deployment), handoff_ttl_ms)
-    return int(await _RELEASE(redis, _upstream_keys(deployment), args))
+    return int(await scripts.release(redis, _upstream_keys(deployment), args))
 
 
-async def update_key(redis: Redis, *, key_id: str, fields: dict[str, str]) -> int:
+async def update_key(redis: Redis, *, key_id: str, fields: dict[str, str], scripts: ScriptSet = DEFAULT_SCRIPTS) -> int:
     """Set `fields` on an existing record and bump its version; 0 when there is no such record."""
     args = [item for pair in fields.items() for item in pair]
-    return int(await _UPDATE(redis, (redis_names.key_record(key_id),), args))
+    return int(await scripts.update(redis, (redis_names.key_record(key_id),), args))

@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 
 from auth import redis_names, scripts
 from auth.keys import display_prefix, generate_key, hash_key, is_key_id, new_key_id
-from auth.scripts import as_text, storage_errors
+from auth.scripts import DEFAULT_SCRIPTS, ScriptSet, as_text, storage_errors
 from gateway.errors import InvalidRequestError, NotFoundError
 
 __all__ = ["BudgetPeriod", "KeyPage", "KeyRecord", "KeyStore", "UsageRow", "UsageTotals", "period_key"]
@@ -61,6 +61,9 @@ class KeyRecord:
     tokens_spent: int
     period_key: str
     period_spent: int
+    budget_micros: int | None  # budget_usd in integer micro-units
+    spend_micros: int  # lifetime spend, integer micro-units
+    period_spend_micros: int  # spend in period_key
     num_requests: int
     prompt_tokens: int
     completion_tokens: int
@@ -90,6 +93,9 @@ class KeyRecord:
             tokens_spent=int(raw.get("tokens_spent") or 0),
             period_key=raw.get("period_key", ""),
             period_spent=int(raw.get("period_spent") or 0),
+            budget_micros=_optional_int(raw.get("budget_micros")),
+            spend_micros=int(raw.get("spend_micros") or 0),
+            period_spend_micros=int(raw.get("period_spend_micros") or 0),
             num_requests=int(raw.get("num_requests") or 0),
             prompt_tokens=int(raw.get("prompt_tokens") or 0),
             completion_tokens=int(raw.get("completion_tokens") or 0),
@@ -102,6 +108,12 @@ class KeyRecord:
         if self.budget_period == "total":
             return self.tokens_spent
         return self.period_spent if self.period_key == period_key(self.budget_period, now_ms) else 0
+
+    def budget_spend_micros(self, now_ms: int) -> int:
+        """Spend (micro-units) counted against `budget_usd` now: lifetime, or the current day/month."""
+        if self.budget_period == "total":
+            return self.spend_micros
+        return self.period_spend_micros if self.period_key == period_key(self.budget_period, now_ms) else 0
 
     def is_expired(self, now_ms: int) -> bool:
         return self.expires_at_ms is not None and self.expires_at_ms <= now_ms
@@ -120,6 +132,8 @@ class UsageRow:
     num_requests: int
     prompt_tokens: int
     completion_tokens: int
+    cost_micros: int = 0
+    num_unpriced: int = 0  # requests that cost 0 because their model had no price
 
 
 @dataclass(slots=True)
@@ -129,7 +143,10 @@ class UsageTotals:
     num_requests: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cost_micros: int = 0
+    num_unpriced: int = 0
     by_model: list[UsageRow] = field(default_factory=list)
+    by_day: list[UsageRow] = field(default_factory=list)  # per UTC day over every key and model (model "")
 
 
 def encode_fields(values: Mapping[str, Any]) -> dict[str, str]:
@@ -159,16 +176,28 @@ def _rows_from_hash(date: str, raw: Mapping[str, str]) -> list[UsageRow]:
             num_requests=counters.get("requests", 0),
             prompt_tokens=counters.get("prompt_tokens", 0),
             completion_tokens=counters.get("completion_tokens", 0),
+            cost_micros=counters.get("cost_micros", 0),
+            num_unpriced=counters.get("unpriced_requests", 0),
         )
         for model, counters in sorted(per_model.items())
     ]
 
 
+def _add(into: dict[str, list[int]], name: str, row: UsageRow) -> None:
+    counters = into.setdefault(name, [0, 0, 0, 0, 0])
+    counters[0] += row.num_requests
+    counters[1] += row.prompt_tokens
+    counters[2] += row.completion_tokens
+    counters[3] += row.cost_micros
+    counters[4] += row.num_unpriced
+
+
 class KeyStore:
     """Key records over one Redis client (decoding is done here; the client may return bytes)."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, *, scripts: ScriptSet = DEFAULT_SCRIPTS) -> None:
         self.redis = redis
+        self.scripts = scripts
 
     async def now_ms(self) -> int:
         """Redis' clock, the one every instance agrees on."""
@@ -255,7 +284,7 @@ class KeyStore:
     async def update(self, key_id: str, values: Mapping[str, Any]) -> KeyRecord:
         """Change fields (None clears a limit or the expiry); the new version reaches every cache at once."""
         if not is_key_id(key_id) or not await scripts.update_key(
-            self.redis, key_id=key_id, fields=encode_fields(values)
+            self.redis, key_id=key_id, fields=encode_fields(values), scripts=self.scripts
         ):
             await self.get(key_id)  # raises key_not_found
         await self._announce(key_id)
@@ -300,13 +329,16 @@ class KeyStore:
             rows += _rows_from_hash(date, await self._hgetall(redis_names.key_usage_day(key_id, date)))
         return rows
 
-    async def totals(self) -> UsageTotals:
-        """Lifetime totals over every key (and the master key), with a per-model breakdown."""
+    async def totals(self, *, num_days: int | None = None) -> UsageTotals:
+        """Lifetime totals over every key (and the master key), per model, and per UTC day (the last `num_days`
+        days when given, else every day still retained)."""
         async with storage_errors():
             ids = [as_text(raw) for raw in await self.redis.zrange(redis_names.KEY_INDEX, 0, -1)]
         now = await self.now_ms()
+        low: float | str = "-inf" if num_days is None else now // 86_400_000 - num_days + 1
         totals = UsageTotals()
         per_model: dict[str, list[int]] = {}
+        per_day: dict[str, list[int]] = {}
         for key_id in [*ids, redis_names.MASTER_ID]:
             raw = await self._hgetall(redis_names.key_record(key_id))
             if key_id != redis_names.MASTER_ID and "key_hash" in raw:
@@ -314,13 +346,19 @@ class KeyStore:
                 totals.num_keys += 1
                 totals.num_active_keys += int(not record.is_revoked and not record.is_expired(now))
             for row in _rows_from_hash("", await self._hgetall(redis_names.key_usage_total(key_id))):
-                counters = per_model.setdefault(row.model, [0, 0, 0])
-                counters[0] += row.num_requests
-                counters[1] += row.prompt_tokens
-                counters[2] += row.completion_tokens
-        for model, (num_requests, prompt_tokens, completion_tokens) in sorted(per_model.items()):
-            totals.by_model.append(UsageRow("", model, num_requests, prompt_tokens, completion_tokens))
-            totals.num_requests += num_requests
-            totals.prompt_tokens += prompt_tokens
-            totals.completion_tokens += completion_tokens
+                _add(per_model, row.model, row)
+            async with storage_errors():
+                days = await self.redis.zrangebyscore(redis_names.key_usage_days(key_id), low, "+inf")
+            for day in map(as_text, days):
+                for row in _rows_from_hash(day, await self._hgetall(redis_names.key_usage_day(key_id, day))):
+                    _add(per_day, day, row)
+        for model, counters in sorted(per_model.items()):
+            row = UsageRow("", model, *counters)
+            totals.by_model.append(row)
+            totals.num_requests += row.num_requests
+            totals.prompt_tokens += row.prompt_tokens
+            totals.completion_tokens += row.completion_tokens
+            totals.cost_micros += row.cost_micros
+            totals.num_unpriced += row.num_unpriced
+        totals.by_day = [UsageRow(day, "", *counters) for day, counters in sorted(per_day.items())]
         return totals

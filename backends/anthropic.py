@@ -25,7 +25,6 @@ from gateway.translate.anthropic_upstream import (
     events_to_chat_chunks,
     message_to_chat,
 )
-from gateway.translate.common import aclose_source
 
 __all__ = ["ANTHROPIC_VERSION", "AnthropicBackend"]
 
@@ -83,19 +82,14 @@ class AnthropicBackend(OpenAIBackend):
                 code="unsupported_endpoint",
             )
 
-    async def _events(self, response: Any) -> AsyncIterator[Json]:
-        """Anthropic's stream, read by the OpenAI backend's SSE loop (which maps transport errors and raises when
-        the stream ends early): pings are skipped, and `message_stop` ends it, as there is no `[DONE]`."""
-        events = super()._events(response)
-        try:
-            async for event in events:
-                if event["type"] == "ping":
-                    continue
-                yield event
-                if event["type"] == "message_stop":
-                    return
-        finally:
-            await aclose_source(events)
+    # Anthropic's stream is read by the OpenAI backend's SSE loop (which maps transport errors, applies the size
+    # and time limits, and raises when the stream ends early): pings are keep-alives (no progress for the idle
+    # deadline), and `message_stop` ends the stream, as there is no `[DONE]`.
+    def _is_keepalive(self, chunk: Json) -> bool:
+        return bool(chunk["type"] == "ping")
+
+    def _ends_stream(self, chunk: Json) -> bool:
+        return bool(chunk["type"] == "message_stop")
 
     def _parse_chunk(self, data: bytes) -> Json:
         try:

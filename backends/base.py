@@ -10,12 +10,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Literal, Protocol, runtime_checkable
 
-__all__ = ["Backend", "Endpoint", "Json"]
+__all__ = ["Backend", "Endpoint", "HealthState", "Json", "ReportsHealthState"]
 
 Json = dict[str, Any]
 
 # The API surface a call targets, as a path under the upstream's /v1.
 Endpoint = Literal["chat/completions", "completions", "embeddings", "responses", "messages", "messages/count_tokens"]
+
+# A deployment's own view of its health; `/health/ready` adds `cooling_down` (the router's view).
+HealthState = Literal["up", "down", "loading", "restarting"]
 
 
 @runtime_checkable
@@ -45,3 +48,12 @@ class Backend(Protocol):
     async def aclose(self) -> None:
         """Release pools and background resources."""
         ...
+
+
+@runtime_checkable
+class ReportsHealthState(Protocol):
+    """Optional capability: a backend that knows its own state without a network probe (the local engine). The
+    gateway's health prober reports this state and never takes such a deployment out of rotation: its requests
+    get its own, more precise answer (503 `engine_loading` while loading, `engine_error` when it failed)."""
+
+    def health_state(self) -> HealthState: ...

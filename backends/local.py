@@ -1,9 +1,11 @@
 """The local engine as a backend: OpenAI chat and text completions served by `local_engine.AsyncEngine`.
 
-The model loads in a background thread when the backend is built, so start-up is not blocked; requests wait
-for it and `/health/ready` (via `check_health`) turns true once it is serving. Responses, chunks, usage and
-logprobs follow OpenAI's shapes; engine failures surface as `gateway.errors` types. Closing a stream early
-aborts its engine requests, which frees their KV blocks within one step.
+The model loads in a background thread when the backend is built, so start-up is not blocked. Meanwhile
+`health_state()` is "loading" and requests wait for the load up to `load_wait_s`, then get 503 `engine_loading`
+with a `Retry-After` (never a cooldown). Responses, chunks, usage and logprobs follow OpenAI's shapes; engine
+failures surface as `gateway.errors` types, translated here from the engine's own tree (`local_engine.errors`).
+Prompts are tokenized off the event loop, after a size check that refuses a prompt too long to ever fit. Closing
+a stream early aborts its engine requests, which frees their KV blocks within one step.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from backends.base import Endpoint, Json
+from backends.base import Endpoint, HealthState, Json
 from backends.tool_calls import ToolCallStream, parse_tool_calls, tool_names
-from gateway.errors import EngineError, GatewayError, InvalidRequestError
+from gateway.errors import EngineError, EngineLoadingError, GatewayError, InvalidRequestError
 
 if TYPE_CHECKING:
     from gateway.settings import Settings
@@ -33,14 +35,21 @@ logger = logging.getLogger("unigate.engine")
 _NATIVE: frozenset[str] = frozenset({"chat/completions", "completions"})
 # OpenAI fields this engine cannot honour: refused with a clear 400 rather than silently ignored.
 _UNSUPPORTED = ("suffix", "functions", "audio", "prediction")
+# Retry-After of a 503 `engine_loading`: the load's remaining time is unknown, so ask again soon (no cooldown
+# follows: the first request after the load finishes is served).
+ENGINE_LOADING_RETRY_AFTER_S = 5
 
 
 class LocalBackend:
     """One `type: local` deployment: a model served in this process."""
 
-    def __init__(self, name: str, load: Callable[[], AsyncEngine], *, model_id: str | None = None) -> None:
+    def __init__(
+        self, name: str, load: Callable[[], AsyncEngine], *, model_id: str | None = None, load_wait_s: float = 30.0
+    ) -> None:
         self.name = name
         self.model_id = model_id or name
+        self.load_wait_s = load_wait_s
+        self._load_started = time.monotonic()
         self._ids = itertools.count()
         self._engine: AsyncEngine | None = None
         self._closed = False
@@ -72,7 +81,12 @@ class LocalBackend:
             checkpoint = load_checkpoint(model_path or bundled_model_path(), cache_dir=cache_dir, dtype=dtype)
             return AsyncEngine(LLMEngine.from_checkpoint(checkpoint, config))
 
-        return cls(deployment.name, load, model_id=getattr(deployment, "id", None) or engine_settings.model_id)
+        return cls(
+            deployment.name,
+            load,
+            model_id=getattr(deployment, "id", None) or engine_settings.model_id,
+            load_wait_s=engine_settings.load_wait_s,
+        )
 
     def _load(self, load: Callable[[], AsyncEngine]) -> AsyncEngine:
         started = time.perf_counter()
@@ -80,6 +94,8 @@ class LocalBackend:
         if self._closed:
             engine.stop()
             raise EngineError("the local engine was closed while loading")
+        if engine.engine.tokenizer is not None:
+            _max_prompt_chars(engine.engine.tokenizer, engine.engine.max_model_len)  # computed once, off the loop
         self._engine = engine
         logger.info(
             "local engine %s serving after %.1fs: %s",
@@ -89,15 +105,38 @@ class LocalBackend:
         )
         return engine
 
+    @property
+    def engine(self) -> AsyncEngine | None:
+        """The serving engine; None while the model loads (or after its load failed)."""
+        return self._engine
+
     async def _ready(self) -> AsyncEngine:
+        """The engine, waiting up to `load_wait_s` for a load in progress (then 503 `engine_loading`)."""
         if self._engine is not None:
             return self._engine
-        try:
-            return await asyncio.wrap_future(self._loading)
-        except GatewayError:
-            raise
-        except Exception as exc:
-            raise EngineError(f"The local model failed to load ({type(exc).__name__}: {exc}).") from exc
+        if not self._loading.done():
+            try:
+                async with asyncio.timeout(self.load_wait_s):
+                    await asyncio.shield(asyncio.wrap_future(self._loading))
+            except TimeoutError:
+                if not self._loading.done():
+                    raise self._still_loading() from None
+            except Exception:
+                pass  # the load failed: reported below, from the future itself
+        error = self._loading.exception()
+        if error is None:
+            return self._loading.result()
+        if isinstance(error, GatewayError):
+            raise error
+        raise EngineError(f"The local model failed to load ({type(error).__name__}: {error}).") from error
+
+    def _still_loading(self) -> EngineLoadingError:
+        elapsed = time.monotonic() - self._load_started
+        return EngineLoadingError(
+            f"The local model is still loading ({elapsed:.0f} s so far); retry in {ENGINE_LOADING_RETRY_AFTER_S} s. "
+            "GET /health/ready shows it as `loading` until it serves.",
+            headers={"retry-after": str(ENGINE_LOADING_RETRY_AFTER_S)},
+        )
 
     # -- Backend protocol ---------------------------------------------------------------------------------------
 
@@ -106,7 +145,7 @@ class LocalBackend:
 
     async def send(self, endpoint: Endpoint, body: Json, *, request_id: str) -> Json:
         engine = await self._ready()
-        request = self._parse(engine, endpoint, body)
+        request = await self._parse(engine, endpoint, body)
         streams = [engine.generate(ids, request.params, f"{request_id}-{next(self._ids)}") for ids in request.prompts]
         deltas: list[list[RequestOutput]] = [[] for _ in streams]
         try:
@@ -130,7 +169,7 @@ class LocalBackend:
 
     async def stream(self, endpoint: Endpoint, body: Json, *, request_id: str) -> AsyncIterator[Json]:
         engine = await self._ready()
-        request = self._parse(engine, endpoint, body)
+        request = await self._parse(engine, endpoint, body)
         streams = [engine.generate(ids, request.params, f"{request_id}-{next(self._ids)}") for ids in request.prompts]
         usage = _Usage()
         started: set[int] = set()
@@ -168,7 +207,19 @@ class LocalBackend:
                 await stream.aclose()
 
     async def check_health(self) -> bool:
-        return self._engine is not None and self._engine.is_healthy
+        return self.health_state() == "up"
+
+    def health_state(self) -> HealthState:
+        """Known without a probe: `loading` (the model is loading), `up`, `restarting` (a step failed and the
+        engine is resetting itself) or `down` (the load failed, or the engine stopped)."""
+        from local_engine.async_engine import EngineState
+
+        if self._engine is None:
+            return "down" if self._loading.done() else "loading"
+        state = self._engine.state
+        if state is EngineState.RUNNING:
+            return "up"
+        return "restarting" if state is EngineState.RESTARTING else "down"
 
     async def aclose(self) -> None:
         self._closed = True
@@ -190,12 +241,21 @@ class LocalBackend:
         """Engine stats for /metrics and GET /admin/engine (`loaded: false` while the model is loading)."""
         if self._engine is None:
             failed = self._loading.done() and self._loading.exception() is not None
-            return {"name": self.name, "loaded": False, "load_failed": failed}
-        return {"name": self.name, "loaded": True, "healthy": self._engine.is_healthy, **self._engine.stats()}
+            return {"name": self.name, "loaded": False, "load_failed": failed, "state": self.health_state()}
+        return {
+            "name": self.name,
+            "loaded": True,
+            "healthy": self._engine.is_healthy,
+            "state": self.health_state(),
+            "num_restarts": self._engine.num_restarts,
+            **self._engine.stats(),
+        }
 
     # -- requests -----------------------------------------------------------------------------------------------
 
-    def _parse(self, engine: AsyncEngine, endpoint: Endpoint, body: Json) -> _Request:
+    async def _parse(self, engine: AsyncEngine, endpoint: Endpoint, body: Json) -> _Request:
+        """Check cheap things on the event loop (fields, sampling parameters, the prompt's size in characters),
+        then tokenize and validate in a worker thread: a big prompt must not stall every other request."""
         if endpoint not in _NATIVE:
             raise InvalidRequestError(f"The local engine does not serve /v1/{endpoint}.", code="unsupported_endpoint")
         for name in _UNSUPPORTED:
@@ -205,13 +265,22 @@ class LocalBackend:
         tokenizer = engine.engine.tokenizer
         if tokenizer is None:
             raise EngineError("This local model has no tokenizer; it cannot serve OpenAI requests.")
-        prompts = _chat_prompt(tokenizer, body) if is_chat else _text_prompts(tokenizer, body)
         try:
             params = _sampling_params(body, is_chat)
+        except ValueError as exc:
+            raise _invalid(exc, endpoint) from None
+        _check_prompt_size(body, is_chat, _max_prompt_chars(tokenizer, engine.engine.max_model_len))
+        return await asyncio.to_thread(self._tokenize, engine, is_chat, params, body)
+
+    def _tokenize(self, engine: AsyncEngine, is_chat: bool, params: SamplingParams, body: Json) -> _Request:
+        """(worker thread) The prompts' token ids, checked against the engine's limits."""
+        tokenizer = engine.engine.tokenizer
+        prompts = _chat_prompt(tokenizer, body) if is_chat else _text_prompts(tokenizer, body)
+        try:
             for ids in prompts:
                 engine.validate(ids, params)
         except ValueError as exc:
-            raise _invalid(exc, endpoint) from None
+            raise _invalid(exc, "chat/completions" if is_chat else "completions") from None
         return _Request(is_chat, prompts, params, body, self.model_id, prompt_texts=_prompt_texts(tokenizer, body))
 
 
@@ -348,12 +417,56 @@ class _Request:
 
 
 def _invalid(exc: ValueError, endpoint: Endpoint) -> InvalidRequestError:
-    from local_engine.scheduler import PromptTooLongError
+    """The engine's refusals (`local_engine.errors.InvalidParamError`, which names the field) as 400s."""
+    from local_engine.errors import InvalidParamError, PromptTooLongError
 
+    prompt_param = "messages" if endpoint == "chat/completions" else "prompt"
     if isinstance(exc, PromptTooLongError):
-        param = "messages" if endpoint == "chat/completions" else "prompt"
-        return InvalidRequestError(str(exc), code="context_length_exceeded", param=param)
-    return InvalidRequestError(f"Invalid request for the local engine: {exc}.")
+        return InvalidRequestError(str(exc), code="context_length_exceeded", param=prompt_param)
+    param = (exc.param or prompt_param) if isinstance(exc, InvalidParamError) else None
+    return InvalidRequestError(f"Invalid request for the local engine: {exc}.", param=param)
+
+
+def _max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
+    limit: int = tokenizer.max_prompt_chars(max_model_len)
+    return limit
+
+
+def _check_prompt_size(body: Json, is_chat: bool, max_chars: int) -> None:
+    """400 `context_length_exceeded` for a prompt with more characters than the context could ever hold (see
+    `Tokenizer.max_prompt_chars`), before any tokenizing. For chat, every string in `messages` and `tools` counts;
+    for completions, each prompt string on its own (each is a separate sequence)."""
+    if is_chat:
+        sizes = [_num_chars(body.get("messages")) + _num_chars(body.get("tools"))]
+        param = "messages"
+    else:
+        prompt = body.get("prompt")
+        sizes = [len(p) for p in (prompt if isinstance(prompt, list) else [prompt]) if isinstance(p, str)]
+        param = "prompt"
+    largest = max(sizes, default=0)
+    if largest > max_chars:
+        raise InvalidRequestError(
+            f"The prompt has {largest} characters, more than this model's context can hold ({max_chars} characters "
+            "at most, whatever the text). Shorten the prompt.",
+            code="context_length_exceeded",
+            param=param,
+        )
+
+
+def _num_chars(value: Any) -> int:
+    """Total length of the strings (keys included) in a JSON value; iterative, so nesting depth costs nothing."""
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += sum(len(k) for k in item if isinstance(k, str))
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
 
 
 def _message_text(message: Any) -> Json:
@@ -377,7 +490,19 @@ def _chat_prompt(tokenizer: Any, body: Json) -> list[list[int]]:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("`messages` must be a non-empty list.", param="messages")
     tools = body.get("tools") or None
-    ids = tokenizer.apply_chat_template([_message_text(m) for m in messages], tools=tools)
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise InvalidRequestError("`tools` must be a list of tool objects.", param="tools")
+    try:
+        ids = tokenizer.apply_chat_template([_message_text(m) for m in messages], tools=tools)
+    except (RecursionError, TypeError, ValueError) as exc:
+        # The chat template renders what the caller sent: a value nested hundreds deep or of a type the template
+        # cannot print is the caller's 400, never the engine's 500.
+        raise InvalidRequestError(
+            f"The messages or tools cannot be rendered into the model's chat template ({type(exc).__name__}). "
+            "Send text content, tool definitions with JSON-schema parameters, and no deeply nested values.",
+            code="invalid_messages",
+            param="messages",
+        ) from None
     return [list(ids)]
 
 
@@ -411,61 +536,10 @@ def _prompt_texts(tokenizer: Any, body: Json) -> list[str] | None:
 
 
 def _sampling_params(body: Json, is_chat: bool) -> SamplingParams:
-    from local_engine.sampling_params import SamplingParams
+    """Strict types and ranges (`local_engine.sampling_params.from_openai`); InvalidParamError names the field."""
+    from local_engine.sampling_params import from_openai
 
-    if body.get("best_of") not in (None, 1, body.get("n", 1)):
-        raise ValueError("best_of is not supported (use n)")
-    response_format = body.get("response_format")
-    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
-        raise ValueError("response_format other than text is not supported")
-    stop = body.get("stop")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if is_chat:
-        logprobs = int(body.get("top_logprobs") or 0) if body.get("logprobs") else None
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    else:
-        logprobs = body.get("logprobs")
-        max_tokens = body.get("max_tokens", 16)  # the legacy endpoint's documented default
-    temperature = body.get("temperature")
-    top_p = body.get("top_p")
-    return SamplingParams(
-        n=int(body.get("n") or 1),
-        temperature=1.0 if temperature is None else float(temperature),
-        top_p=1.0 if top_p is None else float(top_p),
-        top_k=int(body.get("top_k") or 0),
-        min_p=float(body.get("min_p") or 0.0),
-        presence_penalty=float(body.get("presence_penalty") or 0.0),
-        frequency_penalty=float(body.get("frequency_penalty") or 0.0),
-        repetition_penalty=float(body.get("repetition_penalty") or 1.0),
-        seed=None if body.get("seed") is None else int(body["seed"]),
-        max_tokens=None if max_tokens is None else int(max_tokens),
-        min_tokens=int(body.get("min_tokens") or 0),
-        stop=stops,
-        stop_token_ids=tuple(int(t) for t in body.get("stop_token_ids") or ()),
-        ignore_eos=bool(body.get("ignore_eos", False)),
-        logprobs=None if logprobs is None else int(logprobs),
-        skip_special_tokens=bool(body.get("skip_special_tokens", True)),
-        include_stop_str_in_output=bool(body.get("include_stop_str_in_output", False)),
-        logit_bias=_logit_bias(body.get("logit_bias")),
-    )
-
-
-def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
-    """OpenAI's `{"token id": bias}` object (keys are strings in JSON) as sorted (id, bias) pairs."""
-    if value is None:
-        return ()
-    if not isinstance(value, dict):
-        raise ValueError("logit_bias must be an object mapping token ids to biases")
-    pairs = []
-    for key, bias in value.items():
-        try:
-            token_id = int(key)
-        except (TypeError, ValueError):
-            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
-        if isinstance(bias, bool) or not isinstance(bias, int | float):
-            raise ValueError(f"logit_bias values must be numbers, got {bias!r} for token {key}")
-        pairs.append((token_id, float(bias)))
-    return tuple(sorted(pairs))
+    return from_openai(body, is_chat=is_chat)
 
 
 # -- responses ----------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """`create_app(settings)`: the Starlette application, its routes, middleware stack and lifespan.
 
 `app.state` holds `settings`, `access` (an `AccessControl`), `routing` (the parsed routing file), `metrics`,
-`started_at`, and — once the lifespan has started — `router`.
+`started_at`, and — once the lifespan has started — `router` and `health_prober` (deployment health probes on the
+gateway's own schedule; `/health/ready` reads them).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from starlette.routing import BaseRoute
 
 from auth.base import AccessControl, MasterKeyAccess
 from backends import Backend, build_backend
+from gateway.access_metrics import AccessStatsCollector
 from gateway.engine_metrics import EngineStatsCollector
+from gateway.health_probe import HealthProber
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import build_middleware, http_exception_handler
 from gateway.router import Router
@@ -60,6 +63,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         built: dict[str, Backend] = {}
+        prober: HealthProber | None = None
         start = getattr(access, "start", None)
         if start is not None:
             await start()
@@ -69,10 +73,18 @@ def create_app(
                     if deployment.name not in provided:
                         built[deployment.name] = build_backend(deployment, settings)
             app.state.router = engine_collector.router = Router(routing, {**built, **provided})
+            app.state.health_prober = prober = HealthProber(
+                app.state.router,
+                interval_s=settings.health_probe_interval_s,
+                timeout_s=settings.health_probe_timeout_s,
+            )
+            prober.start()
             yield
         finally:
             # Shutdown (after the server stopped accepting and in-flight requests finished or were cut):
-            # 1. close the upstream pools and engines we built; 2. close access control (Redis pools).
+            # 0. stop the health probes; 1. close the upstream pools and engines we built; 2. close access control.
+            if prober is not None:
+                await prober.stop()
             for name, backend in built.items():
                 try:
                     await backend.aclose()
@@ -83,9 +95,10 @@ def create_app(
             for hook in on_shutdown:
                 await hook()
 
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(model_ids=[model.id for model in routing.models])
     engine_collector = EngineStatsCollector()
     metrics.registry.register(engine_collector)
+    metrics.registry.register(AccessStatsCollector(access))
     app = Starlette(
         routes=[*openai_routes(), *anthropic.routes(), *responses.routes(), *health_routes(), *extra_routes],
         middleware=build_middleware(settings, metrics),

@@ -46,6 +46,7 @@ def engine_serve(
     import uvicorn
 
     from gateway.engine_server import create_engine_app
+    from gateway.http_limits import protocol_options
     from gateway.logging import configure_logging
     from gateway.settings import Settings
 
@@ -53,7 +54,13 @@ def engine_serve(
     updates = {k: v for k, v in {"model_path": model, "model_id": model_id}.items() if v}
     settings = settings.model_copy(update={"engine": settings.engine.model_copy(update=updates)})
     configure_logging(settings.log_level, settings.log_format)
-    uvicorn.run(create_engine_app(settings, api_key=api_key), host=host, port=port, log_config=None)
+    uvicorn.run(
+        create_engine_app(settings, api_key=api_key),
+        host=host,
+        port=port,
+        log_config=None,
+        **protocol_options(settings.max_header_bytes),
+    )
 
 
 def _register_command_groups() -> None:

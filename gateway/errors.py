@@ -1,19 +1,22 @@
 """The gateway's one error tree, rendered once per API family.
 
-    GatewayError                      500 api_error / internal_error
-    ├── InvalidRequestError           400 invalid_request_error (invalid_json, invalid_request, context_length_exceeded)
-    │   └── BodyTooLargeError         413 body_too_large
-    ├── AuthError                     401 authentication_error (missing_api_key, invalid_auth_header, ...)
-    ├── PermissionDeniedError         403 permission_error (model_not_allowed, admin_only)
+    GatewayError                      500 api_error / internal_error (also auth.scripts.ScriptError: a limit script bug)
+    ├── InvalidRequestError           400 invalid_request_error (invalid_json, invalid_request, context_length_exceeded,
+    │   │                                                     unsupported_parameter, invalid_messages)
+    │   └── BodyTooLargeError         413 body_too_large   (431 headers_too_large is answered by the HTTP protocol)
+    ├── AuthError                     401 authentication_error (missing_api_key, invalid_auth_header, metrics_forbidden)
+    ├── PermissionDeniedError         403 permission_error (model_not_allowed, admin_only, metrics_forbidden)
     ├── NotFoundError                 404 not_found_error (model_not_found, not_found, key_not_found)
     ├── LimitError                    429 rate_limit_error (rate_limit_exceeded, tokens_limit_exceeded, ...)
     │   └── BudgetExceededError       429 insufficient_quota (budget_exceeded)
     ├── UnavailableError              503 (limits_unavailable, upstream_at_capacity, server_shutting_down)
+    │   └── EngineLoadingError        503 engine_loading (the local model is still loading; with Retry-After)
     ├── BackendError                  502 api_error (upstream_error, upstream_unreachable, upstream_malformed_response,
     │   │                                            upstream_auth_failed)
     │   ├── UpstreamTimeoutError      504 upstream_timeout
     │   └── UpstreamRateLimitedError  429 upstream_rate_limited
-    └── EngineError                   500 engine_error
+    ├── EngineError                   500 engine_error
+    └── ClientDisconnectedError       499 client_disconnected (the client went away; nobody reads the response)
 
 Every class carries its HTTP status, OpenAI `type` and default `code`; raise with a message that tells the
 user what to do. Messages must never contain upstream keys, hostnames from config or tracebacks.
@@ -30,7 +33,9 @@ __all__ = [
     "BackendError",
     "BodyTooLargeError",
     "BudgetExceededError",
+    "ClientDisconnectedError",
     "EngineError",
+    "EngineLoadingError",
     "GatewayError",
     "InvalidRequestError",
     "LimitError",
@@ -141,6 +146,22 @@ class EngineError(GatewayError):
     code = "engine_error"
 
 
+class ClientDisconnectedError(GatewayError):
+    """The client closed the connection before the response started; the upstream call was cancelled. 499 is
+    nginx's "client closed request": nobody receives it, but logs and metrics count it apart from failures."""
+
+    status_code = 499
+    type = "client_disconnected"
+    code = "client_disconnected"
+
+
+class EngineLoadingError(UnavailableError):
+    """The local model is still loading (a wait of `engine.load_wait_s` ran out). Never a cooldown: the first
+    request after the load finishes is served."""
+
+    code = "engine_loading"
+
+
 def render_openai(error: GatewayError) -> bytes:
     """The OpenAI envelope: {"error": {"message", "type", "param", "code"}}."""
     return orjson.dumps(error.to_dict())
@@ -163,9 +184,9 @@ def anthropic_error_type(error: GatewayError) -> str:
 
 
 def render_anthropic(error: GatewayError) -> bytes:
-    """Anthropic's envelope: {"type": "error", "error": {"type", "message"}}; our `code` rides along."""
-    body = {
-        "type": "error",
-        "error": {"type": anthropic_error_type(error), "message": error.message, "code": error.code},
-    }
-    return orjson.dumps(body)
+    """Anthropic's envelope: {"type": "error", "error": {"type", "message"}}; our `code` (and `param`, when one
+    field is at fault) ride along."""
+    detail: dict[str, Any] = {"type": anthropic_error_type(error), "message": error.message, "code": error.code}
+    if error.param is not None:
+        detail["param"] = error.param
+    return orjson.dumps({"type": "error", "error": detail})

@@ -28,10 +28,12 @@ from starlette.requests import Request
 
 from auth.base import AccessControl, Admission, UpstreamLease, extract_credential
 from backends.base import Endpoint, Json
+from gateway.disconnect import unless_disconnected
 from gateway.errors import GatewayError, InvalidRequestError
 from gateway.metrics import GatewayMetrics
 from gateway.normalize import malformed, normalize_chunk, normalize_response
 from gateway.router import Deployment, Router, Target
+from gateway.routing_config import PricingConfig
 from gateway.settings import Settings
 
 __all__ = ["Call", "estimate_prompt_tokens", "open_call", "request_id_of", "serves_natively"]
@@ -58,9 +60,13 @@ async def open_call(request: Request, *, endpoint: Endpoint, body: Json, model: 
     num_prompt_tokens = estimate_prompt_tokens(endpoint, body)
     num_max_tokens = 0
     if endpoint != "embeddings":
-        num_max_tokens = _max_tokens(body) or settings.limits.default_max_tokens
+        # Every one of n choices may use max_tokens.
+        num_max_tokens = (_max_tokens(body) or settings.limits.default_max_tokens) * _num_choices(body)
     admission = await access.admit(
-        credential, model=target.model_id, estimated_tokens=num_prompt_tokens + num_max_tokens
+        credential,
+        model=target.model_id,
+        estimated_tokens=num_prompt_tokens + num_max_tokens,
+        request_id=request_id_of(request),
     )
     scope_state = request.scope.setdefault("state", {})
     scope_state["model"] = target.model_id
@@ -123,6 +129,7 @@ class Call:
         self._upstream: AsyncIterator[Json] | None = None
         self._first: Json | None = None
         self._deployment: Deployment | None = None
+        self._served_by: Deployment | None = None  # the deployment of a non-streaming answer (for its price)
         self._lease: UpstreamLease | None = None
         self._is_closed = False
         self._is_settle_queued = False  # exactly once per call
@@ -135,8 +142,13 @@ class Call:
 
     async def json(self) -> Json:
         """The non-streaming response, validated/repaired, after retries and fallbacks."""
+
+        async def attempt(deployment: Deployment, target: Target) -> Json:
+            self._served_by = deployment  # the last attempt is the one that answered
+            return await self._send_attempt(deployment, target)
+
         try:
-            data = await self.router.execute(self.target, self._send_attempt)
+            data = await self.router.execute(self.target, attempt)
         except BaseException:
             await self.aclose()
             raise
@@ -213,7 +225,9 @@ class Call:
             await self._release(self._lease)
 
     async def open_stream(self) -> None:
-        self._upstream, self._first = await self.router.execute(self.target, self._stream_attempt)
+        # Waiting for the first chunk may take minutes: stop (and release everything) if the client goes away.
+        attempts = self.router.execute(self.target, self._stream_attempt)
+        self._upstream, self._first = await unless_disconnected(attempts)
 
     # --- attempts (one per deployment try; the router retries / falls back around them) ----------------------
 
@@ -224,7 +238,8 @@ class Call:
         started = time.perf_counter()
         outcome = "error"
         try:
-            data = await deployment.backend.send(self.endpoint, body, request_id=self.request_id)
+            # A long generation: stop it (the lease is released below) if the client goes away meanwhile.
+            data = await unless_disconnected(deployment.backend.send(self.endpoint, body, request_id=self.request_id))
             data = normalize_response(self.endpoint, data)
             outcome = "ok"
             return data
@@ -319,8 +334,10 @@ class Call:
             return settling
         self._is_settle_queued = True
         usage = self._usage or {}
-        # OpenAI names, else Anthropic / Responses names.
+        # OpenAI names, else Anthropic / Responses names (Anthropic counts cached input tokens apart).
         num_prompt = _int(usage.get("prompt_tokens", usage.get("input_tokens")))
+        if "prompt_tokens" not in usage:
+            num_prompt += _int(usage.get("cache_read_input_tokens")) + _int(usage.get("cache_creation_input_tokens"))
         num_completion = _int(usage.get("completion_tokens", usage.get("output_tokens")))
         if not usage and self._first is None and self._upstream is not None:
             # The stream ran (perhaps cut short) without reporting usage: charge what we can estimate.
@@ -328,13 +345,25 @@ class Call:
             num_completion = -(-self._num_completion_chars // _CHARS_PER_TOKEN)
         if num_prompt or num_completion:
             self.metrics.count_tokens(self.model, num_prompt, num_completion)
+        pricing = self._pricing()
         try:
             self._settling = self.access.begin_settle(
-                self.admission, prompt_tokens=num_prompt, completion_tokens=num_completion
+                self.admission,
+                prompt_tokens=num_prompt,
+                completion_tokens=num_completion,
+                cost_micros=pricing.cost_micros(num_prompt, num_completion) if pricing is not None else 0,
+                is_priced=pricing is not None,
             )
         except Exception:
             logger.exception("could not settle usage for request %s", self.request_id)
         return self._settling
+
+    def _pricing(self) -> PricingConfig | None:
+        """The price of this call: the serving deployment's, else its model's; None when neither has one."""
+        deployment = self._deployment or self._served_by
+        if deployment is not None and deployment.config.pricing is not None:
+            return deployment.config.pricing
+        return self.target.route.config.pricing
 
 
 def request_id_of(request: Request) -> str:
@@ -351,9 +380,13 @@ def serves_natively(request: Request, model: str, endpoint: Endpoint) -> bool:
 
 
 def estimate_prompt_tokens(endpoint: Endpoint, body: Json) -> int:
-    """A cheap upper-ish estimate (characters / 4) used to reserve tokens before the real count is known."""
+    """A cheap upper-ish estimate (characters / 4) used to reserve tokens before the real count is known.
+
+    Any body shape is safe here (fields of the wrong type count as nothing) and the work is bounded: see
+    `_content_chars`."""
     if endpoint in ("chat/completions", "messages", "messages/count_tokens"):
-        num_chars = sum(_content_chars(m.get("content")) for m in body.get("messages") or () if isinstance(m, dict))
+        messages = body.get("messages")
+        num_chars = sum(_content_chars(m.get("content")) for m in _as_list(messages) if isinstance(m, dict))
         num_chars += _content_chars(body.get("system"))
     elif endpoint == "responses":
         num_chars = _content_chars(body.get("input")) + _content_chars(body.get("instructions"))
@@ -362,26 +395,51 @@ def estimate_prompt_tokens(endpoint: Endpoint, body: Json) -> int:
     return num_chars // _CHARS_PER_TOKEN + 1
 
 
+_MAX_ESTIMATE_DEPTH = 32  # list nesting the estimate walks into; deeper content counts as nothing
+_MAX_ESTIMATE_PARTS = 1_000_000  # parts the estimate looks at in one content; the rest count a token each
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
 def _content_chars(content: Any) -> int:
+    """Characters in a content: a string, or a list of strings, token ids (a token each), text-bearing parts
+    (`text` or `content`), images / audio (a fixed cost) and such lists, nested.
+
+    Iterative (an explicit stack, at most `_MAX_ESTIMATE_DEPTH` deep) and looking at no more than
+    `_MAX_ESTIMATE_PARTS` parts, so no body can exhaust the stack or hold the event loop for long."""
     if isinstance(content, str):
         return len(content)
-    if isinstance(content, list):
-        total = 0
-        for part in content:
+    total = 0
+    num_parts = 0
+    stack: list[tuple[list[Any], int]] = [(content, 1)] if isinstance(content, list) else []
+    while stack:
+        parts, depth = stack.pop()
+        budget = _MAX_ESTIMATE_PARTS - num_parts
+        if len(parts) > budget:
+            total += (len(parts) - max(budget, 0)) * _CHARS_PER_TOKEN
+            parts = parts[: max(budget, 0)]
+        num_parts += len(parts)
+        for part in parts:
             if isinstance(part, str):
                 total += len(part)
             elif isinstance(part, int):
                 total += _CHARS_PER_TOKEN  # a token id
             elif isinstance(part, list):
-                total += _content_chars(part)
+                if depth < _MAX_ESTIMATE_DEPTH:
+                    stack.append((part, depth + 1))
             elif isinstance(part, dict):
-                kind = part.get("type", "")
-                if "image" in kind or "audio" in kind:
+                kind = part.get("type")
+                if isinstance(kind, str) and ("image" in kind or "audio" in kind):
                     total += _IMAGE_CHARS
-                else:
-                    total += _content_chars(part.get("text") or part.get("content"))
-        return total
-    return 0
+                    continue
+                inner = part.get("text") or part.get("content")
+                if isinstance(inner, str):
+                    total += len(inner)
+                elif isinstance(inner, list) and depth < _MAX_ESTIMATE_DEPTH:
+                    stack.append((inner, depth + 1))
+    return total
 
 
 def _max_tokens(body: Json) -> int:
@@ -397,5 +455,18 @@ def _wants_usage(body: Json) -> bool:
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
+def _num_choices(body: Json) -> int:
+    n = body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+
+
+_MAX_USAGE_TOKENS = 2**40  # an upstream's usage figure is clamped to this (it cannot be trusted blindly)
+
+
 def _int(value: Any) -> int:
-    return value if isinstance(value, int) and value >= 0 else 0
+    """A usage count from an upstream as a sane integer: negative, fractional, huge or non-numeric → clamped."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        return 0
+    if value <= 0:
+        return 0
+    return int(min(value, _MAX_USAGE_TOKENS))

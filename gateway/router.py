@@ -3,7 +3,8 @@
 Pick: among the deployments not cooling down, the one with the fewest in-flight requests per unit of weight
 (ties broken by weighted chance). Retries (connect errors, 429, 5xx) move to the next deployment of the same
 model with exponential backoff and jitter; when a model's attempts are spent the configured fallback models
-are tried in order. A deployment that fails `max_fails` times in a row (or answers 429) cools down.
+are tried in order. A deployment that fails `max_fails` times in a row (or answers 429) cools down; after a 429 for
+the upstream's Retry-After bounded by `max_retry_after_s` (`cooldown_s` when it sent none, or nothing usable).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from backends.base import Backend
+from backends.retry_after import parse_retry_after, retry_after_header
 from gateway.errors import BackendError, GatewayError, NotFoundError, UnavailableError
 from gateway.routing_config import DeploymentConfig, ModelConfig, RouterConfig, RoutingConfig
 
@@ -176,8 +178,10 @@ class Router:
         deployment.num_fails += 1
         cooldown = self.config.cooldown_s
         if error.code == "upstream_rate_limited":
-            retry_after = _retry_after_s(error)
-            cooldown = min(retry_after, cooldown) if retry_after is not None else cooldown
+            retry_after = parse_retry_after(error.headers.get("retry-after"))
+            if retry_after is not None:
+                cooldown = min(retry_after, self.config.max_retry_after_s)
+            error.headers["retry-after"] = retry_after_header(cooldown)  # the client's hint: when this one is back
         elif deployment.num_fails < self.config.max_fails:
             return
         deployment.cooldown_until = self._clock() + cooldown
@@ -215,11 +219,3 @@ class Router:
 
 def _may_fall_back(error: GatewayError) -> bool:
     return isinstance(error, BackendError) or error.code in ("upstream_at_capacity", "upstream_cooling_down")
-
-
-def _retry_after_s(error: GatewayError) -> float | None:
-    value = error.headers.get("retry-after")
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None

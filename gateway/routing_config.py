@@ -14,6 +14,11 @@ models:
         max_connections: 100
         max_in_flight: 20        # optional cluster-wide cap (Redis leases)
         pool_timeout: 5          # seconds to wait for one of those slots before 503
+        pricing: {input_per_mtok: 0.15, output_per_mtok: 0.60}   # optional, overrides the model's
+    pricing:                     # optional: price per million tokens, charged to keys' spend (budget_usd)
+      input_per_mtok: 0.15
+      output_per_mtok: 0.60
+      currency: USD
   - id: openai/*                 # wildcard: forwards openai/<anything> as <anything>
     deployments: [{type: openai, base_url: ..., api_key: env:OPENAI_API_KEY}]
 fallbacks:
@@ -22,7 +27,8 @@ router:                          # optional; these are the defaults
   num_retries: 2
   retry_backoff_s: 0.05
   max_backoff_s: 2.0
-  cooldown_s: 30
+  cooldown_s: 30                 # also the cooldown after a 429 without a usable Retry-After
+  max_retry_after_s: 300         # a 429's Retry-After (seconds or HTTP-date) is honoured up to this
   max_fails: 3
 ```
 
@@ -32,6 +38,7 @@ Any problem is raised as `RoutingConfigError` whose message names the file, the 
 from __future__ import annotations
 
 import os
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,6 +50,7 @@ from gateway.settings import Settings
 __all__ = [
     "DeploymentConfig",
     "ModelConfig",
+    "PricingConfig",
     "RouterConfig",
     "RoutingConfig",
     "RoutingConfigError",
@@ -56,6 +64,32 @@ _ENV_PREFIX = "env:"
 
 class RoutingConfigError(Exception):
     """The routing file cannot be used; raised at start-up with a message naming the file, field and fix."""
+
+
+class PricingConfig(BaseModel):
+    """Prices per million tokens. A request costs `prompt × input + completion × output` millionths of the
+    currency unit, rounded to the nearest whole micro-unit (1e-6 USD) per request; spend is kept in integer
+    micro-units so it never drifts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_per_mtok: Decimal = Field(default=Decimal(0), ge=0, le=1_000_000)
+    output_per_mtok: Decimal = Field(default=Decimal(0), ge=0, le=1_000_000)
+    currency: Literal["USD"] = "USD"
+
+    @field_validator("input_per_mtok", "output_per_mtok")
+    @classmethod
+    def _check_precision(cls, value: Decimal) -> Decimal:
+        if value != value.quantize(Decimal("0.000001")):
+            raise ValueError("prices have at most 6 decimal places (one micro-unit per million tokens)")
+        return value
+
+    def cost_micros(self, prompt_tokens: int, completion_tokens: int) -> int:
+        """Integer micro-units for one request (integer arithmetic only)."""
+        scale = Decimal(1_000_000)
+        input_price, output_price = int(self.input_per_mtok * scale), int(self.output_per_mtok * scale)
+        exact = max(prompt_tokens, 0) * input_price + max(completion_tokens, 0) * output_price  # micro-micro-units
+        return (exact + 500_000) // 1_000_000  # half up
 
 
 class DeploymentConfig(BaseModel):
@@ -75,6 +109,10 @@ class DeploymentConfig(BaseModel):
     max_in_flight: int | None = Field(default=None, ge=1)
     pool_timeout: float | None = Field(default=None, gt=0)
     native_responses: bool = False  # `type: openai`: the upstream serves /v1/responses itself (pass it through)
+    # With native_responses: let `previous_response_id` / `conversation` / `store: true` through. Off by default:
+    # the upstream key is shared by every tenant, so one could reference another's stored responses (SECURITY.md).
+    allow_stored_responses: bool = False
+    pricing: PricingConfig | None = None  # overrides the model's pricing for requests this deployment serves
 
     @field_validator("api_key")
     @classmethod
@@ -111,6 +149,7 @@ class ModelConfig(BaseModel):
     id: str = Field(min_length=1)
     aliases: list[str] = Field(default_factory=list)
     deployments: list[DeploymentConfig] = Field(min_length=1)
+    pricing: PricingConfig | None = None  # None: requests of this model cost 0 (and usage says they are unpriced)
 
     @field_validator("id")
     @classmethod
@@ -139,6 +178,7 @@ class RouterConfig(BaseModel):
     retry_backoff_s: float = Field(default=0.05, ge=0)  # first backoff; doubles per attempt, full jitter
     max_backoff_s: float = Field(default=2.0, ge=0)  # a longer upstream Retry-After is not waited for
     cooldown_s: float = Field(default=30.0, ge=0)  # how long a failing deployment is taken out
+    max_retry_after_s: float = Field(default=300.0, ge=0)  # an upstream 429's Retry-After is honoured up to this
     max_fails: int = Field(default=3, ge=1)  # consecutive failures that trigger the cooldown
 
 

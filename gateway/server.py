@@ -22,6 +22,7 @@ from pydantic import SecretStr
 from starlette.applications import Starlette
 
 from gateway.app import create_app
+from gateway.http_limits import protocol_options
 from gateway.logging import configure_logging
 from gateway.routing_config import RoutingConfigError
 from gateway.settings import Settings
@@ -67,8 +68,8 @@ def app_from_env() -> Starlette:
 
 
 def uvicorn_config(settings: Settings) -> uvicorn.Config:
+    """uvloop when installed; httptools (else h11) with limits on the request head (`gateway.http_limits`)."""
     has_uvloop = importlib.util.find_spec("uvloop") is not None
-    has_httptools = importlib.util.find_spec("httptools") is not None
     return uvicorn.Config(
         "gateway.server:app_from_env",
         factory=True,
@@ -76,7 +77,7 @@ def uvicorn_config(settings: Settings) -> uvicorn.Config:
         port=settings.port,
         workers=settings.workers,
         loop="uvloop" if has_uvloop else "asyncio",
-        http="httptools" if has_httptools else "h11",
+        **protocol_options(settings.max_header_bytes),
         lifespan="on",
         log_config=None,  # configure_logging owns the handlers
         access_log=False,  # the metrics middleware logs one structured line per request
@@ -120,6 +121,9 @@ def run(settings: Settings) -> None:
 
 def _resolved(settings: Settings) -> dict[str, Any]:
     data: dict[str, Any] = settings.model_dump(mode="json")
+    # Secrets dump as "**********": hand the workers the real values.
     if settings.master_key is not None:
         data["master_key"] = settings.master_key.get_secret_value()
+    if settings.metrics_token is not None:
+        data["metrics_token"] = settings.metrics_token.get_secret_value()
     return data

@@ -7,11 +7,12 @@ The flat names (`UNIGATE_HOST`, `UNIGATE_PORT`, `UNIGATE_CONFIG`, `UNIGATE_MASTE
 
 from __future__ import annotations
 
+from ipaddress import ip_network
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 __all__ = ["EngineSettings", "LimitSettings", "Settings"]
 
@@ -38,6 +39,8 @@ class EngineSettings(BaseModel):
     cpu_kernels: bool = True  # CPU: decode attention and rotary in C kernels built at start-up (False: torch)
     cpu_fused_decode: bool = True  # CPU, with cpu_kernels: a decode step's decoder stack in one native call
     cpu_gguf_blocks: bool = True  # CPU, with cpu_kernels: decode projections read a GGUF's Q4_1/Q8_0 blocks as stored
+    # While the model loads, a request waits this long for it, then gets 503 engine_loading with Retry-After.
+    load_wait_s: float = Field(default=30.0, ge=0)
 
 
 class LimitSettings(BaseModel):
@@ -69,13 +72,41 @@ class Settings(BaseSettings):
     read_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
     max_body_bytes: int = 16 * 1024 * 1024
+    # Upstream hardening (docs/upstreams.md). Sizes count decompressed bytes; comments and pings in a stream are not
+    # events. The stream timeouts default to the read timeout's scale so slow CPU prefill behind `engine serve` fits.
+    max_upstream_response_bytes: int = Field(default=64 * 1024 * 1024, ge=1)  # one non-streaming upstream body
+    max_sse_event_bytes: int = Field(default=8 * 1024 * 1024, ge=1)  # one upstream SSE event (or unfinished line)
+    stream_first_token_timeout_s: float = Field(default=600.0, gt=0)  # request sent → first upstream stream event
+    stream_idle_timeout_s: float = Field(default=300.0, gt=0)  # between two upstream stream events
     shutdown_grace_s: float = 30.0
+    # Deployment health probes run on this schedule, never per /health/ready call (0 = no probes; the first round
+    # comes one interval after start-up); a failed probe marks the deployment down for one cooldown. Each probe
+    # gives up after health_probe_timeout_s (which also bounds the Redis ping of /health/ready).
+    health_probe_interval_s: float = Field(default=30.0, ge=0)
+    health_probe_timeout_s: float = Field(default=3.0, gt=0)
+
+    # Request heads (docs/api-limits.md): the request line plus headers over max_header_bytes, or more than
+    # gateway.http_limits.MAX_HEADERS headers, get 431 before the app sees them.
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    # /metrics protection (docs/api-limits.md); both set: both must hold. Networks: comma-separated CIDRs.
+    metrics_token: SecretStr | None = None  # readers send `Authorization: Bearer <token>`
+    metrics_allow: Annotated[list[str], NoDecode] = Field(default_factory=list)  # e.g. 10.0.0.0/8,127.0.0.1/32
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "console"] = "console"
 
     engine: EngineSettings = Field(default_factory=EngineSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
+
+    @field_validator("metrics_allow", mode="before")
+    @classmethod
+    def _split_networks(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, list):
+            for network in value:
+                ip_network(str(network), strict=False)  # ValueError names the bad entry
+        return value
 
     def routing_file(self) -> Path | None:
         """The routing file in use: the configured one, else ./unigate.yaml when present."""

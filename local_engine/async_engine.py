@@ -3,6 +3,11 @@
 The event loop never computes: `generate()` validates, hands the request to the engine thread through a
 thread-safe inbox and awaits deltas, which the engine thread pushes with `call_soon_threadsafe` (one hand-off per
 event loop per step). Closing the stream early (client gone) aborts the request, freeing its blocks within one step.
+
+Failures: a request the engine failed alone (see `LLMEngine.step`) raises `RequestFailedError` in its own stream.
+A step that raises fails the requests then in the engine with `EngineDeadError`, `reset()`s the engine and serves
+on (`state` is RESTARTING meanwhile); after `MAX_CONSECUTIVE_RESTARTS` failed steps in a row with no good step in
+between, the engine stays DEAD.
 """
 
 from __future__ import annotations
@@ -13,19 +18,28 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncGenerator
+from enum import Enum
 from typing import Any
 
 from local_engine.engine import LLMEngine
+from local_engine.errors import EngineDeadError, RequestFailedError
 from local_engine.output_processor import RequestOutput
 from local_engine.sampling_params import SamplingParams
 
-__all__ = ["AsyncEngine", "EngineDeadError"]
+__all__ = ["MAX_CONSECUTIVE_RESTARTS", "AsyncEngine", "EngineDeadError", "EngineState"]
 
 logger = logging.getLogger("unigate.engine")
 
+# Failed steps in a row (no successful step between them) after which the engine gives up and stays DEAD: a fault
+# that survives a reset (e.g. a lost GPU) must not turn into an endless fail-restart loop.
+MAX_CONSECUTIVE_RESTARTS = 3
 
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (a step raised, or the engine was shut down)."""
+
+class EngineState(Enum):
+    RUNNING = "running"
+    RESTARTING = "restarting"  # a step failed: in-flight requests failed, the engine is being reset
+    STOPPED = "stopped"  # shut down on purpose
+    DEAD = "dead"  # failed and could not restart
 
 
 class _Stream:
@@ -47,17 +61,29 @@ class AsyncEngine:
         self._stats: dict[str, Any] = engine.stats()
         self._error: BaseException | None = None
         self._stopping = False
+        self._is_restarting = False
+        self._num_failed_steps = 0
+        self.num_restarts = 0
         self._thread = threading.Thread(target=self._run, name="unigate-engine", daemon=True)
         self._thread.start()
 
     # -- public API ---------------------------------------------------------------------------------------------
 
     @property
+    def state(self) -> EngineState:
+        if self._error is not None:
+            return EngineState.DEAD
+        if self._stopping or not self._thread.is_alive():
+            return EngineState.STOPPED
+        return EngineState.RESTARTING if self._is_restarting else EngineState.RUNNING
+
+    @property
     def is_healthy(self) -> bool:
-        return self._error is None and not self._stopping and self._thread.is_alive()
+        return self.state is EngineState.RUNNING
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Raises PromptTooLongError / ValueError before anything is queued; returns the resolved max_tokens."""
+        """Raises InvalidParamError / PromptTooLongError before anything is queued; returns the resolved
+        max_tokens."""
         return self.engine.validate(prompt_token_ids, params)
 
     async def generate(
@@ -85,6 +111,9 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:
+                    finished = True  # the engine already dropped it
+                    raise RequestFailedError(f"the local engine failed this request: {item.error!r}") from item.error
                 finished = item.finished
                 yield item
                 if finished:
@@ -135,32 +164,56 @@ class AsyncEngine:
                 if is_live:
                     try:
                         engine.add_request(request_id, prompt, params)
-                    except ValueError as error:  # validated already; kept for safety
-                        self._deliver([(request_id, error)])
+                    except Exception as error:  # validated already: fail this request alone, never the loop
+                        self._deliver([(request_id, error)])  # (add_request registers nothing when it raises)
             else:
                 final = engine.abort_request(payload)
                 if final is not None:  # an abort from outside the stream: let its reader finish
                     self._deliver([(payload, final)])
 
     def _run(self) -> None:
-        engine = self.engine
         try:
             while not self._stopping:
-                self._drain_inbox()
-                if not engine.has_unfinished_requests:
-                    self._stats = engine.stats()
-                    self._wakeup.wait(timeout=1.0)
-                    self._wakeup.clear()
-                    continue
-                outputs = engine.step()
-                self._stats = engine.stats()
-                if outputs:
-                    self._deliver([(o.request_id, o) for o in outputs])
+                try:
+                    self._serve()
+                except Exception as error:
+                    self._num_failed_steps += 1
+                    if self._num_failed_steps > MAX_CONSECUTIVE_RESTARTS:
+                        raise
+                    self._restart(error)
         except BaseException as error:
-            logger.exception("local engine step failed; the engine is stopped")
+            logger.exception("local engine failed %d steps in a row; it is stopped", self._num_failed_steps)
             self._error = error
         finally:
             self._fail_all(self._error or EngineDeadError("the local engine shut down"))
+
+    def _serve(self) -> None:
+        """Step until stopped, or until a step raises (propagates); a good step ends a streak of failed ones."""
+        engine = self.engine
+        while not self._stopping:
+            self._drain_inbox()
+            if not engine.has_unfinished_requests:
+                self._stats = engine.stats()
+                self._wakeup.wait(timeout=1.0)
+                self._wakeup.clear()
+                continue
+            outputs = engine.step()
+            self._num_failed_steps = 0
+            self._stats = engine.stats()
+            if outputs:
+                self._deliver([(o.request_id, o) for o in outputs])
+
+    def _restart(self, error: Exception) -> None:
+        """After a failed step: fail the requests in the engine, rebuild its scheduling state, serve on."""
+        self._is_restarting = True
+        logger.error("local engine step failed; failing its requests and restarting the engine", exc_info=error)
+        in_flight = list(self.engine.requests)
+        dead = EngineDeadError(f"the local engine failed ({error!r}) and is restarting; retry the request")
+        self._deliver([(request_id, dead) for request_id in in_flight])
+        self.engine.reset()
+        self.num_restarts += 1
+        self._is_restarting = False
+        logger.info("local engine restarted (%d restarts so far)", self.num_restarts)
 
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
         """Push items to their streams, one thread-safe hand-off per event loop."""

@@ -1,11 +1,17 @@
 """`LLMEngine`: the scheduler, the block manager, the model runner and the sampler meet in one `step()`.
 
 Single-threaded and synchronous; `AsyncEngine` drives it from its own thread for the gateway.
+
+Failure isolation: an exception while handling ONE request (building it, sampling its rows, detokenizing, stop
+strings, shaping its output) ends that request alone: its blocks are freed and `step()` returns a final output
+carrying the `error`, while the other requests carry on. An exception anywhere else in `step()` (scheduling, the
+model forward) propagates: the caller then `reset()`s the engine, which forgets every request.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import resource
 import sys
 from collections.abc import Mapping
@@ -17,6 +23,7 @@ import torch
 
 from local_engine.block_manager import BlockManager
 from local_engine.config import EngineConfig, ModelConfig
+from local_engine.errors import InvalidParamError, PromptTooLongError
 from local_engine.metrics import ThroughputMeter
 from local_engine.model_runner import ModelRunner
 from local_engine.output_processor import (
@@ -24,14 +31,17 @@ from local_engine.output_processor import (
     Detokenizer,
     IncrementalDetokenizer,
     RequestOutput,
+    TokenLogprob,
     accumulate,
 )
-from local_engine.sampler import Sampler
+from local_engine.sampler import Sampler, SamplerOutput
 from local_engine.sampling_params import SamplingParams
-from local_engine.scheduler import PromptTooLongError, Scheduler
+from local_engine.scheduler import Scheduler
 from local_engine.sequence import FinishReason, Sequence
 
 __all__ = ["LLMEngine", "PromptTooLongError"]
+
+logger = logging.getLogger("unigate.engine")
 
 
 @dataclass
@@ -63,21 +73,29 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else frozenset(model_config.eos_token_ids)
         self.runner = ModelRunner(model_config, engine_config, state_dict, block_weights)
         self.capacity = self.runner.capacity
-        self.block_manager = BlockManager(
-            self.capacity.num_blocks,
-            engine_config.block_size,
-            enable_prefix_caching=engine_config.enable_prefix_caching,
-        )
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=engine_config.max_num_seqs,
-            max_num_batched_tokens=engine_config.max_num_batched_tokens,
-            max_model_len=self.runner.max_model_len,
-        )
-        self.sampler = Sampler()
         self.meter = ThroughputMeter()
         self.requests: dict[str, _Request] = {}
         self._generate_ids = itertools.count()
+        self.block_manager, self.scheduler, self.sampler = self._build_scheduling()
+
+    def _build_scheduling(self) -> tuple[BlockManager, Scheduler, Sampler]:
+        config = self.engine_config
+        block_manager = BlockManager(
+            self.capacity.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        scheduler = Scheduler(
+            block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.runner.max_model_len,
+        )
+        return block_manager, scheduler, Sampler()
+
+    def reset(self) -> None:
+        """Forget every request and rebuild the scheduling state (block manager, prefix cache, scheduler,
+        sampler) after a failed step. The weights and the KV cache tensors stay; their contents are unreferenced."""
+        self.requests.clear()
+        self.block_manager, self.scheduler, self.sampler = self._build_scheduling()
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Any, engine_config: EngineConfig) -> LLMEngine:
@@ -102,23 +120,38 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Check a request can run at all; returns its resolved max_tokens. Raises PromptTooLongError or
-        ValueError. Thread-safe (reads only constants)."""
+        """Check a request can run at all; returns its resolved max_tokens. Raises InvalidParamError (naming the
+        field) or PromptTooLongError. Thread-safe (reads only constants)."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidParamError(f"sampling parameters must be SamplingParams, got {type(params).__name__}")
+        params.validate()  # built valid, but never trust a value that reaches the step thread
         if not prompt_token_ids:
-            raise ValueError("the prompt is empty: send at least one token")
+            raise InvalidParamError("the prompt is empty: send at least one token")
         vocab = self.model_config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if not all(type(t) is int for t in prompt_token_ids) or min(prompt_token_ids) < 0:
+            raise InvalidParamError(f"prompt token ids must be integers in [0, {vocab})")
+        if max(prompt_token_ids) >= vocab:
+            raise InvalidParamError(f"prompt token ids must be integers in [0, {vocab})")
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
+            raise InvalidParamError("stop strings need a tokenizer", param="stop")
+        if any(token_id >= vocab for token_id in params.stop_token_ids):
+            raise InvalidParamError(f"stop_token_ids must be token ids in [0, {vocab})", param="stop_token_ids")
         if any(token_id >= vocab for token_id, _ in params.logit_bias):
-            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+            raise InvalidParamError(f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
         return self.scheduler.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         max_tokens = self.validate(prompt_token_ids, params)
+        request = self._build_request(request_id, prompt_token_ids, params, max_tokens)
+        self.requests[request_id] = request
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+
+    def _build_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int
+    ) -> _Request:
         seqs: list[Sequence] = []
         for index in range(params.n):
             seqs.append(
@@ -144,9 +177,7 @@ class LLMEngine:
             else None
             for _ in seqs
         ]
-        self.requests[request_id] = _Request(request_id, seqs, detokenizers)
-        for seq in seqs:
-            self.scheduler.add(seq)
+        return _Request(request_id, seqs, detokenizers)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (finish_reason "abort")."""
@@ -180,14 +211,20 @@ class LLMEngine:
             for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
         )
         logits = self.runner.run(batch)
-        sampled = self.sampler(logits, sampling_seqs)
+        sampled, failed = self._sample(logits, sampling_seqs)
         self.scheduler.postprocess(batch, sampled.token_ids)
         self.meter.record(num_prompt, len(sampling_seqs))
         requests = self.requests
         changed: dict[str, tuple[_Request, list[CompletionOutput]]] = {}
         for seq, logprob in zip(sampling_seqs, sampled.logprobs, strict=True):
+            if seq.request_id in failed:
+                continue
             request = requests[seq.request_id]
-            out = self._process_token(seq, request)
+            try:
+                out = self._process_token(seq, request)
+            except Exception as error:  # this request's own processing: fail it alone
+                failed[seq.request_id] = error
+                continue
             if logprob is not None:
                 out.logprobs = [logprob]
             entry = changed.get(seq.request_id)
@@ -195,8 +232,10 @@ class LLMEngine:
                 changed[seq.request_id] = (request, [out])
             else:
                 entry[1].append(out)
-        results = []
+        results = [self._fail_request(request_id, error) for request_id, error in failed.items()]
         for request_id, (request, outputs) in changed.items():
+            if request_id in failed:
+                continue
             finished = request.is_finished
             if finished:
                 del requests[request_id]
@@ -205,6 +244,37 @@ class LLMEngine:
                 RequestOutput(request_id, outputs, first.num_prompt_tokens, first.num_cached_tokens, finished)
             )
         return results
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[SamplerOutput, dict[str, Exception]]:
+        """Sample the batch; when that raises, sample row by row so only the requests whose rows raise fail.
+        Failed rows get a placeholder token; their requests are aborted after postprocessing."""
+        try:
+            return self.sampler(logits, seqs), {}
+        except Exception:
+            pass
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprob | None] = []
+        failed: dict[str, Exception] = {}
+        for row, seq in enumerate(seqs):
+            try:
+                out = self.sampler(logits[row : row + 1], [seq])
+            except Exception as error:
+                failed.setdefault(seq.request_id, error)
+                token_ids.append(0)
+                logprobs.append(None)
+            else:
+                token_ids.extend(out.token_ids)
+                logprobs.extend(out.logprobs)
+        return SamplerOutput(token_ids, logprobs), failed
+
+    def _fail_request(self, request_id: str, error: Exception) -> RequestOutput:
+        """End one request whose processing raised: free its blocks and hand back a final output with `error`."""
+        logger.error("request %s failed inside the engine; the others carry on", request_id, exc_info=error)
+        final = self.abort_request(request_id)
+        assert final is not None  # it was running in this step
+        final.outputs = []
+        final.error = error
+        return final
 
     def _process_token(self, seq: Sequence, request: _Request) -> CompletionOutput:
         """Detokenize the new token, apply stop strings, and describe the change."""
@@ -243,6 +313,8 @@ class LLMEngine:
             deltas[request_id] = []
         while self.has_unfinished_requests:
             for out in self.step():
+                if out.error is not None:
+                    raise out.error
                 deltas.setdefault(out.request_id, []).append(out)
         return [accumulate(deltas[r], p.n) for r, p in zip(ids, all_params, strict=True)]
 

@@ -5,10 +5,14 @@ Text is emitted only when it is final: a decode that ends in U+FFFD (an incomple
 tokens, typical of emoji and CJK in byte-level BPE) is held back until the next token completes it, and the
 tail that could still grow into a stop string is held back until it cannot. A matched stop string is cut from
 the output (unless `include_stop_str_in_output`) and ends the sequence with finish_reason "stop".
+
+How much to hold back is tracked incrementally (a Knuth-Morris-Pratt state per stop string: the longest prefix
+of the stop that the text ends with), so it costs a few steps per new character, whatever the stops' lengths.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -38,6 +42,8 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
+        self._stop_tables = [_prefix_function(s) for s in stop]
+        self._stop_states = [0] * len(stop)  # per stop: the length of its longest prefix that `text` ends with
         self.include_stop_str_in_output = include_stop_str_in_output
         self.token_ids = list(prompt_token_ids[-NUM_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -81,6 +87,7 @@ class IncrementalDetokenizer:
         self.text += delta
         if not self.stop:
             return
+        self._advance_stop_states(delta)
         best: tuple[int, str] | None = None
         for stop in self.stop:
             index = self.text.find(stop, start)
@@ -91,14 +98,21 @@ class IncrementalDetokenizer:
             self.text = self.text[: index + len(stop) if self.include_stop_str_in_output else index]
             self.stop_reason = stop
 
+    def _advance_stop_states(self, delta: str) -> None:
+        for index, (stop, table) in enumerate(zip(self.stop, self._stop_tables, strict=True)):
+            state = self._stop_states[index]
+            for char in delta:
+                while state and stop[state] != char:
+                    state = table[state - 1]
+                if stop[state] == char:
+                    state += 1
+                if state == len(stop):  # a whole match (cut by the caller); keep only proper prefixes
+                    state = table[state - 1]
+            self._stop_states[index] = state
+
     def _held_back(self) -> int:
         """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-        text = self.text
-        for length in range(min(self.max_stop_len - 1, len(text)), 0, -1):
-            tail = text[-length:]
-            if any(stop.startswith(tail) for stop in self.stop):
-                return length
-        return 0
+        return max(self._stop_states, default=0)
 
     def _take(self, *, final: bool) -> str:
         end = len(self.text) if final or not self.stop else len(self.text) - self._held_back()
@@ -107,6 +121,21 @@ class IncrementalDetokenizer:
         delta = self.text[self.num_emitted : end]
         self.num_emitted = end
         return delta
+
+
+@functools.lru_cache(maxsize=256)
+def _prefix_function(stop: str) -> tuple[int, ...]:
+    """KMP failure table: entry i is the length of the longest proper prefix of stop[: i + 1] that is also its
+    suffix. Cached: the `n` choices of a request (and repeated requests) share their stops' tables."""
+    table = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = table[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        table[i] = k
+    return tuple(table)
 
 
 @dataclass(slots=True)
@@ -137,6 +166,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finished: bool = False  # every choice has finished
+    error: Exception | None = None  # set on a request's final output when the engine failed it (outputs empty)
 
 
 def accumulate(deltas: list[RequestOutput], n: int) -> list[CompletionOutput]:

@@ -121,25 +121,30 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         device = logits.device
         params = [s.params for s in seqs]
+        # Generators first: if one row's cannot be made, no other seeded row has drawn yet, and the engine's
+        # row-by-row retry (which fails only that row's request) keeps the others reproducible.
+        generators = [
+            self._generator(s, device) if s.params.seed is not None and not s.params.is_greedy else None for s in seqs
+        ]
         # Greedy rows are replaced by the argmax afterwards; temperature 1 keeps them finite meanwhile.
         temperatures = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
         logits = logits / temperatures[:, None]
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        if any(0 < p.top_k < logits.shape[1] or p.top_p < 1.0 for p in params):
             logits = self._top_k_top_p(logits, seqs)
         probs = torch.softmax(logits, dim=-1)
         if any(p.min_p > 0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
             probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         noise = torch.empty_like(probs).exponential_()
-        for i, seq in enumerate(seqs):
-            if seq.params.seed is not None and not seq.params.is_greedy:
-                noise[i].exponential_(generator=self._generator(seq, device))
+        for i, generator in enumerate(generators):
+            if generator is not None:
+                noise[i].exponential_(generator=generator)
         return (probs / noise).argmax(dim=-1)
 
     def _top_k_top_p(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         vocab = logits.shape[1]
         device = logits.device
-        top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs], device=device)
+        top_k = torch.tensor([min(s.params.top_k, vocab) if s.params.top_k > 0 else vocab for s in seqs], device=device)
         top_p = torch.tensor([s.params.top_p for s in seqs], device=device)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device)[None, :]

@@ -14,13 +14,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from local_engine.block_manager import BlockManager
+from local_engine.errors import PromptTooLongError
 from local_engine.sequence import FinishReason, Sequence, SequenceStatus
 
 __all__ = ["PromptTooLongError", "ScheduledBatch", "Scheduler"]
-
-
-class PromptTooLongError(ValueError):
-    """A request that cannot fit even alone (prompt + max_tokens beyond the model length or the KV cache)."""
 
 
 @dataclass

@@ -14,6 +14,7 @@ original tokenizer.json does, and transformers 5 gets that wrong in two places w
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Iterable, Sequence
@@ -90,6 +91,20 @@ class Tokenizer:
         if pre_tokenizer in DIGIT_SPLIT_PRE_TOKENIZERS:
             restore_digit_split(hf)
         return cls(hf, extra_eos_token_ids)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for: the longest vocabulary piece. A piece is never shorter than
+        the text it covers (byte-level BPE pieces have one character per byte, SentencePiece pieces one per
+        character and six for a `<0xNN>` byte), so a text of `c` characters has at least `c / max_token_chars`
+        tokens. Computed once (tens of milliseconds); the loader warms it off the event loop."""
+        pieces = self.hf.convert_ids_to_tokens(list(range(self.vocab_size)))
+        return max((len(piece) for piece in pieces if isinstance(piece, str)), default=1)
+
+    def max_prompt_chars(self, max_model_len: int) -> int:
+        """Above this many characters a text cannot fit `max_model_len` tokens, whatever it says: such a prompt
+        is refused before it is tokenized (tokenizing megabytes takes seconds of CPU)."""
+        return max_model_len * max(1, self.max_token_chars)
 
     def save_pretrained(self, directory: Path) -> None:
         self.hf.save_pretrained(str(directory))

@@ -9,6 +9,7 @@ from pathlib import Path
 import anthropic
 import httpx
 import openai
+import orjson
 import pytest
 import yaml
 from fakes.app import MASTER
@@ -80,6 +81,40 @@ def test_openai_sdk_responses(gateway: ThreadedServer) -> None:
     response = client.responses.create(model="local", input=PROMPT, max_output_tokens=16, temperature=0)
     assert "Paris" in response.output_text
     assert response.usage is not None and response.usage.output_tokens <= 16
+
+
+def test_local_usage_is_charged_exactly_and_rpm_holds(gateway: ThreadedServer) -> None:
+    """Every family against the engine: the key is charged exactly the usage the responses report."""
+    admin = {"authorization": f"Bearer {MASTER}"}
+    key = httpx.post(f"{gateway.url}/admin/keys", json={"rpm": 4, "token_budget": 100_000}, headers=admin).json()
+    user = {"authorization": f"Bearer {key['key']}"}
+    messages = [{"role": "user", "content": PROMPT}]
+    reported = 0
+    with httpx.Client(base_url=gateway.url, headers=user, timeout=120) as client:
+        chat = client.post("/v1/chat/completions", json={"model": "local", "messages": messages, "max_tokens": 4})
+        assert chat.status_code == 200, chat.text
+        reported += chat.json()["usage"]["total_tokens"]
+        stream = client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "local",
+                "messages": messages,
+                "max_tokens": 4,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+        last = [line for line in stream.text.splitlines() if line.startswith("data: {")][-1]
+        reported += orjson.loads(last[len("data: ") :])["usage"]["total_tokens"]
+        message = client.post("/v1/messages", json={"model": "local", "messages": messages, "max_tokens": 4}).json()
+        usage = message["usage"]  # Anthropic's input_tokens leave out the tokens read from the prefix cache
+        reported += usage["input_tokens"] + usage.get("cache_read_input_tokens", 0) + usage["output_tokens"]
+        response = client.post("/v1/responses", json={"model": "local", "input": PROMPT, "max_output_tokens": 4}).json()
+        reported += response["usage"]["input_tokens"] + response["usage"]["output_tokens"]
+        limited = client.post("/v1/chat/completions", json={"model": "local", "messages": messages, "max_tokens": 4})
+    assert limited.status_code == 429 and limited.json()["error"]["code"] == "rate_limit_exceeded"
+    record = httpx.get(f"{gateway.url}/admin/keys/{key['id']}", headers=admin).json()
+    assert (record["num_requests"], record["tokens_spent"], record["budget_spent"]) == (4, reported, reported)
 
 
 def test_engine_stats_in_admin_and_metrics(gateway: ThreadedServer) -> None:

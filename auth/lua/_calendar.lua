@@ -1,13 +1,7 @@
--- Shared prelude, prepended by auth/scripts.py to scripts that need Redis time or UTC calendar days.
--- now_ms(): milliseconds since the epoch from Redis TIME (one clock for every gateway instance).
+-- Shared prelude, prepended by auth/scripts.py (after the clock, _clock.lua) to every script: UTC calendar days.
 -- civil_from_days(days) -> year, month, day (proleptic Gregorian, H. Hinnant's algorithm).
 -- days_from_civil(year, month, day) -> days since 1970-01-01.
 -- period_of(budget_period, now_ms) -> period key ("" for "total", "d:YYYY-MM-DD", "m:YYYY-MM"), ms until it ends.
-
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
 
 local function civil_from_days(z)
   z = z + 719468

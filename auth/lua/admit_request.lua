@@ -14,12 +14,14 @@
 -- ARGV[7]  the caller's cached record version ("" when it has none)
 --
 -- Returns {status, version, record, rpm_limit, rpm_remaining, rpm_reset_ms, tpm_limit, tpm_remaining,
---          tpm_reset_ms, retry_after_ms, leases_remaining}
+--          tpm_reset_ms, retry_after_ms, leases_remaining, budget_spent, budget_limit, budget_unit}
 --   status: "ok" | "invalid_api_key" | "key_revoked" | "key_expired" | "model_not_allowed" | "budget_exceeded"
 --           | "concurrency_limit_exceeded" | "rate_limit_exceeded" | "tokens_limit_exceeded"
 --   record: the record as a flat HGETALL list when ARGV[7] differs from its version, else {} (cache refresh)
 --   limits are -1 when the key has none; remaining counts are after this request (leases_remaining: concurrency
 --   slots still free, -1 without a concurrency limit); all times in ms.
+--   budget_*: on "budget_exceeded", what was spent in the budget's period and its limit, in budget_unit
+--   ("tokens", or "micros": integer micro-units of the price currency); 0, 0, "" otherwise.
 --
 -- Algorithm: sliding-window log for RPM and TPM. It is exact: no rolling window of ARGV[6] ms ever holds more
 -- than the limit, so there is no 2x burst at a fixed-window edge. GCRA would also be exact for the rate but
@@ -32,9 +34,10 @@ local key_hash, model, estimate, request_id = ARGV[1], ARGV[2], tonumber(ARGV[3]
 local lease_ttl, window, cached_version = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
 
 local fields = redis.call('HMGET', record_key, 'key_hash', 'revoked', 'expires_at', 'models', 'rpm', 'tpm',
-  'max_concurrent', 'token_budget', 'budget_period', 'period_key', 'period_spent', 'tokens_spent', 'version')
+  'max_concurrent', 'token_budget', 'budget_period', 'period_key', 'period_spent', 'tokens_spent', 'version',
+  'budget_micros', 'period_spend_micros', 'spend_micros')
 if not fields[1] or fields[1] ~= key_hash then
-  return {'invalid_api_key', 0, {}, -1, -1, 0, -1, -1, 0, 0, -1}
+  return {'invalid_api_key', 0, {}, -1, -1, 0, -1, -1, 0, 0, -1, 0, 0, ''}
 end
 
 local function limit_of(value)
@@ -50,10 +53,16 @@ if cached_version ~= tostring(version) then
   record = redis.call('HGETALL', record_key)
 end
 local rpm, tpm, max_concurrent = limit_of(fields[5]), limit_of(fields[6]), limit_of(fields[7])
-local budget = limit_of(fields[8])
+local budget, budget_micros = limit_of(fields[8]), limit_of(fields[14])
 
-local function reject(status, retry_after)
-  return {status, version, record, rpm, -1, 0, tpm, -1, 0, retry_after, -1}
+local function reject(status, retry_after, budget_spent, budget_limit, budget_unit)
+  return {status, version, record, rpm, -1, 0, tpm, -1, 0, retry_after, -1, budget_spent or 0, budget_limit or 0,
+    budget_unit or ''}
+end
+
+-- A token count from a log member "<request id>|<tokens>" (0 for anything unreadable, never an error).
+local function member_tokens(member)
+  return tonumber(string.match(member, '|([^|]*)$')) or 0
 end
 
 if fields[2] == '1' then return reject('key_revoked', 0) end
@@ -73,18 +82,23 @@ if #models > 0 then
   if not allowed then return reject('model_not_allowed', 0) end
 end
 
--- Budget: refuse once spent (in the current period when the budget has one) reaches the budget.
-if budget >= 0 then
+-- Budgets (tokens and spend share one period): refuse once spent in the current period reaches the budget.
+if budget >= 0 or budget_micros >= 0 then
   local period, period_left = period_of(fields[9] or 'total', now)
-  local spent
+  local spent, spent_micros
   if period == '' then
-    spent = tonumber(fields[12]) or 0
+    spent, spent_micros = tonumber(fields[12]) or 0, tonumber(fields[16]) or 0
   elseif fields[10] == period then
-    spent = tonumber(fields[11]) or 0
+    spent, spent_micros = tonumber(fields[11]) or 0, tonumber(fields[15]) or 0
   else
-    spent = 0
+    spent, spent_micros = 0, 0
   end
-  if spent >= budget then return reject('budget_exceeded', period_left) end
+  if budget >= 0 and spent >= budget then
+    return reject('budget_exceeded', period_left, spent, budget, 'tokens')
+  end
+  if budget_micros >= 0 and spent_micros >= budget_micros then
+    return reject('budget_exceeded', period_left, spent_micros, budget_micros, 'micros')
+  end
 end
 
 -- Concurrency: expired leases belong to crashed or stuck requests. They only matter at the limit, so they are
@@ -123,10 +137,10 @@ if tpm >= 0 then
   if #expired > 0 then
     local num_expired = 0
     for _, member in ipairs(expired) do
-      num_expired = num_expired + tonumber(string.match(member, '|(%d+)$'))
+      num_expired = num_expired + member_tokens(member)
     end
     redis.call('ZREMRANGEBYSCORE', tpm_key, '-inf', cutoff)
-    redis.call('DECRBY', tpm_sum_key, num_expired)
+    redis.call('DECRBY', tpm_sum_key, string.format('%d', num_expired))
   end
   num_tokens = tonumber(redis.call('GET', tpm_sum_key)) or 0
   if num_tokens + estimate > tpm then
@@ -135,7 +149,7 @@ if tpm >= 0 then
       local entries = redis.call('ZRANGE', tpm_key, 0, -1, 'WITHSCORES')
       local num_freed = 0
       for i = 1, #entries, 2 do
-        num_freed = num_freed + tonumber(string.match(entries[i], '|(%d+)$'))
+        num_freed = num_freed + member_tokens(entries[i])
         if num_tokens - num_freed + estimate <= tpm then
           retry_after = tonumber(entries[i + 1]) + window - now
           break
@@ -156,8 +170,8 @@ if rpm >= 0 then
 end
 if tpm >= 0 then
   if estimate > 0 then
-    redis.call('ZADD', tpm_key, now, request_id .. '|' .. estimate)
-    redis.call('INCRBY', tpm_sum_key, estimate)
+    redis.call('ZADD', tpm_key, now, request_id .. '|' .. string.format('%d', estimate))
+    redis.call('INCRBY', tpm_sum_key, string.format('%d', estimate))
   end
   num_tokens = num_tokens + estimate
   redis.call('PEXPIRE', tpm_key, window)
@@ -175,4 +189,5 @@ if rpm >= 0 then rpm_remaining = rpm - num_requests end
 if tpm >= 0 then tpm_remaining = math.max(tpm - num_tokens, 0) end
 local leases_remaining = -1
 if max_concurrent >= 0 then leases_remaining = max_concurrent - num_leases - 1 end
-return {'ok', version, record, rpm, rpm_remaining, rpm_reset, tpm, tpm_remaining, tpm_reset, 0, leases_remaining}
+return {'ok', version, record, rpm, rpm_remaining, rpm_reset, tpm, tpm_remaining, tpm_reset, 0, leases_remaining,
+  0, 0, ''}

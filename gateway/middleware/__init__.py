@@ -8,6 +8,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware.body_limit import BodyLimitMiddleware
 from gateway.middleware.errors import ErrorMiddleware, error_response, http_exception_handler
 from gateway.middleware.metrics import MetricsMiddleware
+from gateway.middleware.metrics_access import MetricsAccessMiddleware
 from gateway.middleware.path_normalize import PathNormalizeMiddleware, normalize_path
 from gateway.middleware.request_id import RequestIdMiddleware
 from gateway.settings import Settings
@@ -15,6 +16,7 @@ from gateway.settings import Settings
 __all__ = [
     "BodyLimitMiddleware",
     "ErrorMiddleware",
+    "MetricsAccessMiddleware",
     "MetricsMiddleware",
     "PathNormalizeMiddleware",
     "RequestIdMiddleware",
@@ -27,6 +29,7 @@ __all__ = [
 
 def build_middleware(settings: Settings, metrics: GatewayMetrics) -> list[Middleware]:
     """Outermost first."""
+    metrics_token = settings.metrics_token.get_secret_value() if settings.metrics_token is not None else None
     return [
         # 1. Every response, even a 500, carries the request id; it is also in every log line.
         Middleware(RequestIdMiddleware),
@@ -36,6 +39,8 @@ def build_middleware(settings: Settings, metrics: GatewayMetrics) -> list[Middle
         Middleware(MetricsMiddleware, metrics=metrics),
         # 4. Every error below becomes one envelope.
         Middleware(ErrorMiddleware, metrics=metrics),
-        # 5. Oversized bodies fail while being read (a GatewayError, rendered by 4).
+        # 5. /metrics wants its token / network when configured (a GatewayError, rendered by 4).
+        Middleware(MetricsAccessMiddleware, token=metrics_token, networks=settings.metrics_allow),
+        # 6. Oversized bodies fail while being read (a GatewayError, rendered by 4).
         Middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes),
     ]

@@ -1,4 +1,7 @@
-"""Request count / latency / in-flight by model, route template and status, plus one log line per request."""
+"""Request count / latency / in-flight by model, route template and status, plus one log line per request.
+
+On its first request it gives the metrics the app's configured model ids (`app.state.routing`), unless the app
+did when it built them, so `model` labels stay within the routing table (gateway/metrics.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ class MetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if not self.metrics.has_models:
+            self._bind_models(scope)
         started = time.perf_counter()
         state = scope.setdefault("state", {})
         state["started_at"] = started
@@ -54,3 +59,8 @@ class MetricsMiddleware:
                     elapsed * 1000,
                     extra={"status": status, "duration_ms": round(elapsed * 1000, 2), "model": model or None},
                 )
+
+    def _bind_models(self, scope: Scope) -> None:
+        routing = getattr(getattr(scope.get("app"), "state", None), "routing", None)
+        models = getattr(routing, "models", None) or ()
+        self.metrics.bind_models(model.id for model in models)

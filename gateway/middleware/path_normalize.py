@@ -1,7 +1,11 @@
-"""Serve `/v1/v1/x` and `/x` as `/v1/x` (a client whose base URL has one `/v1` too many or too few), with no
-redirect, and say so in `x-unigate-path-normalized: <original> -> <served>` so `unigate doctor` can tell."""
+"""Serve `/v1/v1/x` and `/x` as `/v1/x` (a client whose base URL has one `/v1` too many or too few) and `/x/` as
+`/x`, with no redirect (Starlette's slash redirect would point at whatever Host the client sent), and say so in
+`x-unigate-path-normalized: <original> -> <served>` so `unigate doctor` can tell. The header carries both paths
+percent-encoded: a decoded path may hold CR/LF or other bytes no header value may."""
 
 from __future__ import annotations
+
+from urllib.parse import quote
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -12,6 +16,8 @@ _ROOTS = ("/health", "/metrics", "/admin", "/docs", "/favicon.ico")
 
 
 def normalize_path(path: str) -> str:
+    if len(path) > 1 and path.endswith("/"):
+        path = path.rstrip("/") or "/"
     while path.startswith("/v1/v1/") or path == "/v1/v1":
         path = path[3:]
     if path.startswith("/v1/") or path in ("/", "/v1") or path.startswith(_ROOTS):
@@ -34,7 +40,7 @@ class PathNormalizeMiddleware:
             return
         scope["path"] = served
         scope["raw_path"] = served.encode()
-        note = f"{original} -> {served}".encode("latin-1", "replace")
+        note = f"{_header_safe(original)} -> {_header_safe(served)}".encode("ascii")
 
         async def send_with_note(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -42,3 +48,8 @@ class PathNormalizeMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_note)
+
+
+def _header_safe(path: str) -> str:
+    """`path` percent-encoded down to visible ASCII (RFC 3986 path characters stay as they are)."""
+    return quote(path, safe="/:@!$&'()*+,;=-._~%")

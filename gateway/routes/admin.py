@@ -124,7 +124,8 @@ async def key_usage(request: Request) -> Response:
 
 async def total_usage(request: Request) -> Response:
     store = await _admin_store(request)
-    return _json(totals_json(await store.totals()))
+    num_days = _int_param(request, "days", None, low=1, high=400)
+    return _json(totals_json(await store.totals(num_days=num_days)))
 
 
 async def engine_stats(request: Request) -> Response:

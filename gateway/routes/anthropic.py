@@ -13,12 +13,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from auth.base import AccessControl, extract_credential
-from backends.base import Json
+from backends.base import Endpoint, Json
 from gateway.errors import GatewayError, InvalidRequestError
 from gateway.pipeline import estimate_prompt_tokens, open_call, request_id_of, serves_natively
 from gateway.router import Router
-from gateway.routes.openai import JSONBytesResponse, read_json_body, require_model
+from gateway.routes.openai import JSONBytesResponse, authenticate, forwarding, read_json_body, require_model
 from gateway.sse import EventStreamResponse, encode_event, encode_events
 from gateway.translate.anthropic import (
     chat_chunks_to_events,
@@ -29,6 +28,7 @@ from gateway.translate.anthropic import (
 )
 from gateway.translate.anthropic_meta import anthropic_headers, anthropic_model_list
 from gateway.translate.sse import with_keepalive
+from gateway.validate import check_messages
 
 __all__ = ["anthropic_headers", "anthropic_model_list", "routes"]
 
@@ -37,21 +37,23 @@ _PING = encode_event("ping", {"type": "ping"})
 
 
 async def create_message(request: Request) -> Response:
-    body = await read_json_body(request)
+    body = await read_json_body(request)  # 401 for a bad key, before any work on the body
     model = require_model(body)
     stream = _check_body(body)
     is_native = serves_natively(request, model, "messages")
     if is_native:
         # `stream_options` tells the pipeline to forward events carrying `usage` as they are; the Anthropic
         # backend drops the field before sending.
+        endpoint: Endpoint = "messages"
         upstream_body = {**body, "stream_options": {"include_usage": True}} if stream else body
-        call = await open_call(request, endpoint="messages", body=upstream_body, model=model, stream=stream)
     else:
-        chat = messages_to_chat(body)
-        call = await open_call(request, endpoint="chat/completions", body=chat, model=model, stream=stream)
+        endpoint, upstream_body = "chat/completions", messages_to_chat(body)
+    with forwarding(request):
+        call = await open_call(request, endpoint=endpoint, body=upstream_body, model=model, stream=stream)
     headers = anthropic_headers(call.headers, request_id=request_id_of(request))
     if not stream:
-        data = await call.json()
+        with forwarding(request):
+            data = await call.json()
         if not is_native:
             data = chat_to_message(data, model=model, stop_sequences=body.get("stop_sequences"))
         return JSONBytesResponse(orjson.dumps(data), headers=headers)
@@ -76,31 +78,32 @@ async def count_tokens(request: Request) -> Response:
     if not isinstance(body.get("messages"), list):
         raise InvalidRequestError("`messages` must be a list of {role, content} objects.", param="messages")
     if serves_natively(request, model, "messages/count_tokens"):
-        call = await open_call(request, endpoint="messages/count_tokens", body=body, model=model, stream=False)
-        return JSONBytesResponse(orjson.dumps(await call.json()), headers={"request-id": request_id_of(request)})
-    access: AccessControl = request.app.state.access
+        with forwarding(request):
+            call = await open_call(request, endpoint="messages/count_tokens", body=body, model=model, stream=False)
+            data = await call.json()
+        return JSONBytesResponse(orjson.dumps(data), headers={"request-id": request_id_of(request)})
     router: Router = request.app.state.router
-    principal = await access.authenticate(extract_credential(request.headers))
+    principal = await authenticate(request)  # verified by read_json_body: from the cache
     router.resolve(model, visible=principal.may_use)  # 404 for models this caller may not see or use
-    num_tokens = estimate_prompt_tokens("messages", body) + len(orjson.dumps(body.get("tools") or [])) // 4
+    num_tokens = estimate_prompt_tokens("messages", body) + _tools_chars(body.get("tools")) // 4
     return JSONBytesResponse(orjson.dumps({"input_tokens": num_tokens}), headers={"request-id": request_id_of(request)})
 
 
+def _tools_chars(tools: object) -> int:
+    try:
+        return len(orjson.dumps(tools or []))
+    except orjson.JSONEncodeError:  # nested deeper than orjson writes (254 levels)
+        raise InvalidRequestError("`tools` is nested too deeply.", code="invalid_request", param="tools") from None
+
+
 def _check_body(body: Json) -> bool:
-    stream = body.get("stream", False)
-    if stream is not None and not isinstance(stream, bool):
-        raise InvalidRequestError("`stream` must be true or false.", param="stream")
-    max_tokens = body.get("max_tokens")
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
-        raise InvalidRequestError(
-            f"`max_tokens` must be an integer of at least 1 (got {max_tokens!r}).", param="max_tokens"
-        )
+    check_messages(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError(
             '`messages` must be a non-empty list like [{"role": "user", "content": "Hi"}].', param="messages"
         )
-    return bool(stream)
+    return bool(body.get("stream"))
 
 
 def _error_tail(error: GatewayError) -> bytes:

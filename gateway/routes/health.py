@@ -1,4 +1,8 @@
-"""Liveness, readiness (Redis when the access object can `ping`, and every deployment's health probe), metrics."""
+"""Liveness, readiness (Redis when the access object can `ping`, and each deployment's last known state), metrics.
+
+Readiness only reports: deployment states come from the gateway's own `HealthProber` schedule, so an anonymous
+`GET /health/ready` never probes an upstream and never changes routing.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway.health_probe import HealthProber
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from gateway.router import Deployment, Router
 from gateway.routes.openai import JSONBytesResponse
+from gateway.settings import Settings
 
 __all__ = ["health_routes"]
-
-_PROBE_TIMEOUT_S = 3.0
 
 
 async def live(request: Request) -> Response:
@@ -23,43 +26,26 @@ async def live(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    """200 when Redis answers (if used) and at least one deployment is up (if any); 503 otherwise.
-    A deployment whose probe fails is marked down (cooldown) so traffic avoids it."""
-    router: Router = request.app.state.router
-    ping = getattr(request.app.state.access, "ping", None)
-    deployments = router.deployments
-    results = await asyncio.gather(
-        _probe_redis(ping),
-        *(_probe(d) for d in deployments),
-    )
-    redis_state, deployment_ok = results[0], results[1:]
-    states: dict[str, str] = {}
-    for deployment, is_ok in zip(deployments, deployment_ok, strict=True):
-        if not is_ok:
-            router.mark_down(deployment)
-            states[deployment.name] = "down"
-        else:
-            states[deployment.name] = "cooling_down" if router.is_cooling(deployment) else "up"
-    is_ready = redis_state != "down" and (not deployments or any(s == "up" for s in states.values()))
+    """200 when Redis answers (if used) and at least one deployment is `up` (if any); 503 otherwise. Deployments
+    are `up`, `down`, `cooling_down`, `loading` or `restarting` (see `gateway.health_probe`)."""
+    prober: HealthProber = request.app.state.health_prober
+    settings: Settings = request.app.state.settings
+    redis_state = await _probe_redis(getattr(request.app.state.access, "ping", None), settings.health_probe_timeout_s)
+    states = prober.states()
+    is_ready = redis_state != "down" and (not states or any(s == "up" for s in states.values()))
     body = {"status": "ok" if is_ready else "unavailable", "redis": redis_state, "deployments": states}
     return JSONBytesResponse(body, status_code=200 if is_ready else 503)
 
 
-async def _probe_redis(ping: object) -> str:
+async def _probe_redis(ping: object, timeout_s: float) -> str:
+    """Redis reachability, asked live: it decides nothing about routing."""
     if ping is None or not callable(ping):
         return "not_used"
     with contextlib.suppress(Exception):
-        async with asyncio.timeout(_PROBE_TIMEOUT_S):
+        async with asyncio.timeout(timeout_s):
             if await ping():
                 return "ok"
     return "down"
-
-
-async def _probe(deployment: Deployment) -> bool:
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(_PROBE_TIMEOUT_S):
-            return await deployment.backend.check_health()
-    return False
 
 
 async def metrics(request: Request) -> Response:

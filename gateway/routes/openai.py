@@ -1,13 +1,14 @@
 """OpenAI-compatible endpoints, all built on `gateway.pipeline.open_call`.
 
-The body is parsed once with orjson; only what routing and accounting need is checked (`model`, `stream`,
-`max_tokens`, the presence and shape of `messages` / `prompt` / `input`); everything else is forwarded as is.
+The caller's key is verified first: an unknown key costs no body work. The body is then parsed once with orjson;
+only what routing and accounting need (`model`, the presence and shape of `messages` / `prompt` / `input`) and the
+sampling fields (`gateway.validate`) are checked; everything else is forwarded as is.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing, contextmanager
 from typing import Any
 
 import orjson
@@ -16,15 +17,17 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from auth.base import AccessControl, extract_credential
+from auth.base import AccessControl, Principal, extract_credential
 from backends.base import Endpoint, Json
+from gateway.disconnect import watch_disconnect
 from gateway.errors import InvalidRequestError
 from gateway.pipeline import Call, open_call
 from gateway.router import ModelRoute, Router
 from gateway.sse import DONE, EventStreamResponse, encode_data
 from gateway.translate.anthropic_meta import anthropic_model_list
+from gateway.validate import check_chat, check_completions
 
-__all__ = ["JSONBytesResponse", "openai_routes", "read_json_body", "require_model"]
+__all__ = ["JSONBytesResponse", "authenticate", "forwarding", "openai_routes", "read_json_body", "require_model"]
 
 
 class JSONBytesResponse(Response):
@@ -34,12 +37,19 @@ class JSONBytesResponse(Response):
         return content if isinstance(content, bytes) else orjson.dumps(content)
 
 
+async def authenticate(request: Request) -> Principal:
+    """The caller, from its key header: 401 for a missing, malformed, unknown, revoked or expired key."""
+    access: AccessControl = request.app.state.access
+    return await access.authenticate(extract_credential(request.headers))
+
+
 async def read_json_body(request: Request) -> Json:
     """The body as a JSON object; 400 `invalid_json` with the parse position otherwise.
 
-    A missing or malformed key header is reported first (401, no Redis needed), before anything about the body,
-    so a misconfigured client learns about its key before it learns about its payload."""
-    extract_credential(request.headers)
+    The key is verified first (`authenticate`: 401), before the body is read: a misconfigured client learns about
+    its key before it learns about its payload, and a caller without a valid key costs no parsing, translation or
+    estimation work. The admission in `open_call` verifies the key again, from the in-process cache."""
+    await authenticate(request)
     raw = await request.body()
     try:
         body = orjson.loads(raw)
@@ -56,6 +66,14 @@ async def read_json_body(request: Request) -> Json:
     return body
 
 
+@contextmanager
+def forwarding(request: Request) -> Iterator[None]:
+    """Around the upstream waits of a route (`open_call`, `Call.json`): a client that goes away before the
+    response starts cancels them (see gateway/disconnect.py)."""
+    with watch_disconnect(request.receive):
+        yield
+
+
 def require_model(body: Json) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
@@ -68,17 +86,6 @@ def _invalid(message: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(message, code="invalid_request", param=param)
 
 
-def _check_common(body: Json) -> bool:
-    stream = body.get("stream", False)
-    if stream is not None and not isinstance(stream, bool):
-        raise _invalid("`stream` must be true or false.", "stream")
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = body.get(name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise _invalid(f"`{name}` must be an integer of at least 1 (got {value!r}).", name)
-    return bool(stream)
-
-
 def _check_messages(body: Json) -> None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -87,6 +94,15 @@ def _check_messages(body: Json) -> None:
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise _invalid(f"`messages[{index}]` must be an object with a string `role`.", f"messages[{index}].role")
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
+            param = f"messages[{index}].content"
+            raise _invalid(f"`{param}` must be a string or a list of content part objects.", param)
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools)):
+        raise _invalid("`tools` must be a list of tool objects.", "tools")
 
 
 def _check_present(body: Json, name: str, example: str) -> None:
@@ -111,11 +127,13 @@ class _SettleAfterResponse(JSONBytesResponse):
 
 
 async def _respond(request: Request, endpoint: Endpoint, body: Json, stream: bool) -> Response:
-    call = await open_call(request, endpoint=endpoint, body=body, model=require_model(body), stream=stream)
+    with forwarding(request):
+        call = await open_call(request, endpoint=endpoint, body=body, model=require_model(body), stream=stream)
     is_late = call.settle_after_response()
     if stream:
         return EventStreamResponse(_encode(call), headers=call.headers, on_close=call.aclose)
-    data = await call.json()
+    with forwarding(request):
+        data = await call.json()
     if is_late:
         return _SettleAfterResponse(orjson.dumps(data), headers=call.headers, call=call)
     return JSONBytesResponse(orjson.dumps(data), headers=call.headers)
@@ -131,17 +149,17 @@ async def _encode(call: Call) -> AsyncIterator[bytes]:
 async def chat_completions(request: Request) -> Response:
     body = await read_json_body(request)
     require_model(body)
-    stream = _check_common(body)
+    check_chat(body)
     _check_messages(body)
-    return await _respond(request, "chat/completions", body, stream)
+    return await _respond(request, "chat/completions", body, bool(body.get("stream")))
 
 
 async def completions(request: Request) -> Response:
     body = await read_json_body(request)
     require_model(body)
-    stream = _check_common(body)
+    check_completions(body)
     _check_present(body, "prompt", '"Once upon a time"')
-    return await _respond(request, "completions", body, stream)
+    return await _respond(request, "completions", body, bool(body.get("stream")))
 
 
 async def embeddings(request: Request) -> Response:
@@ -170,9 +188,8 @@ def _model_object(route: ModelRoute, created: int) -> Json:
 
 
 async def list_models(request: Request) -> Response:
-    access: AccessControl = request.app.state.access
     router: Router = request.app.state.router
-    principal = await access.authenticate(extract_credential(request.headers))
+    principal = await authenticate(request)
     created = int(request.app.state.started_at)
     visible = [route for route in router.routes if not route.config.is_wildcard and principal.may_use(route.id)]
     if "anthropic-version" in request.headers:  # Anthropic SDKs / Claude Code model pickers
@@ -181,9 +198,8 @@ async def list_models(request: Request) -> Response:
 
 
 async def get_model(request: Request) -> Response:
-    access: AccessControl = request.app.state.access
     router: Router = request.app.state.router
-    principal = await access.authenticate(extract_credential(request.headers))
+    principal = await authenticate(request)
     model_id: str = request.path_params["model_id"]
     target = router.find(model_id)
     if target is None or not principal.may_use(target.model_id):

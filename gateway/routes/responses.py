@@ -3,6 +3,10 @@
 Models whose deployments all serve `responses` natively get the request as is; every other model gets it
 translated to chat completions, and the answer (or the stream of chunks) translated into Response objects and
 Responses events. A stream always ends with `response.completed` on success, `response.failed` otherwise.
+
+Stored state (`previous_response_id`, `conversation`, `store: true`) is refused with 400 unless every deployment
+of the model sets `allow_stored_responses: true`: all tenants share the upstream key, so stored responses would
+be readable across tenants. Without the opt-in a native request that leaves `store` unset is sent `store: false`.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from starlette.routing import Route
 from backends.base import Json
 from gateway.errors import GatewayError, InvalidRequestError
 from gateway.pipeline import open_call, serves_natively
-from gateway.routes.openai import JSONBytesResponse, read_json_body, require_model
+from gateway.router import Router
+from gateway.routes.openai import JSONBytesResponse, forwarding, read_json_body, require_model
 from gateway.sse import EventStreamResponse, encode_event, encode_events
 from gateway.translate.common import Event
 from gateway.translate.responses import (
@@ -27,6 +32,7 @@ from gateway.translate.responses import (
     responses_to_chat,
 )
 from gateway.translate.sse import with_keepalive
+from gateway.validate import check_responses
 
 __all__ = ["routes"]
 
@@ -35,28 +41,61 @@ _KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: the Responses protocol has n
 
 
 async def create_response(request: Request) -> Response:
-    body = await read_json_body(request)
+    body = await read_json_body(request)  # 401 for a bad key, before any work on the body
     model = require_model(body)
-    stream = body.get("stream", False)
-    if stream is not None and not isinstance(stream, bool):
-        raise InvalidRequestError("`stream` must be true or false.", param="stream")
-    max_output_tokens = body.get("max_output_tokens")
-    if max_output_tokens is not None and (not isinstance(max_output_tokens, int) or max_output_tokens < 1):
-        raise InvalidRequestError("`max_output_tokens` must be an integer of at least 1.", param="max_output_tokens")
+    check_responses(body)
+    stream = bool(body.get("stream"))
     if serves_natively(request, model, "responses"):
-        call = await open_call(request, endpoint="responses", body=body, model=model, stream=bool(stream))
-        if not stream:
-            return JSONBytesResponse(orjson.dumps(await call.json()), headers=call.headers)
+        if not _allows_stored_responses(request, model):
+            body = _without_stored_state(body)
+        with forwarding(request):
+            call = await open_call(request, endpoint="responses", body=body, model=model, stream=stream)
+            data = None if stream else await call.json()
+        if data is not None:
+            return JSONBytesResponse(orjson.dumps(data), headers=call.headers)
         events = _named(call.chunks())
     else:
         chat = responses_to_chat(body)
-        call = await open_call(request, endpoint="chat/completions", body=chat, model=model, stream=bool(stream))
-        if not stream:
-            response = chat_to_response(await call.json(), request=body)
+        with forwarding(request):
+            call = await open_call(request, endpoint="chat/completions", body=chat, model=model, stream=stream)
+            data = None if stream else await call.json()
+        if data is not None:
+            response = chat_to_response(data, request=body)
             return JSONBytesResponse(orjson.dumps(response), headers=call.headers)
         events = chat_chunks_to_response_events(call.chunks(), request=body)
     encoded = with_keepalive(encode_events(events), interval_s=KEEPALIVE_INTERVAL_S, keepalive=_KEEPALIVE)
     return EventStreamResponse(encoded, headers=call.headers, error_tail=_error_tail, on_close=call.aclose)
+
+
+_STORED_STATE = ("previous_response_id", "conversation")
+
+
+def _allows_stored_responses(request: Request, model: str) -> bool:
+    router: Router = request.app.state.router
+    target = router.find(model)
+    return target is not None and all(d.config.allow_stored_responses for d in target.route.deployments)
+
+
+def _without_stored_state(body: Json) -> Json:
+    """400 for a request that needs stored state; `store: false` made explicit (the upstream default is true)."""
+    for name in _STORED_STATE:
+        if body.get(name) is not None:
+            raise InvalidRequestError(
+                f"`{name}` is not accepted here: this deployment does not share stored responses between the "
+                "gateway's tenants. Resend the whole conversation in `input` (and set `store: false`).",
+                code="unsupported_parameter",
+                param=name,
+            )
+    store = body.get("store")
+    if store is None:
+        return {**body, "store": False}
+    if store is not False:
+        raise InvalidRequestError(
+            "`store` must be false here: this deployment keeps no responses for the gateway's tenants.",
+            code="unsupported_parameter",
+            param="store",
+        )
+    return body
 
 
 async def _named(events: AsyncIterator[Json]) -> AsyncIterator[Event]:

@@ -17,17 +17,19 @@ from typing import Any
 
 from gateway.errors import GatewayError, InvalidRequestError, anthropic_error_type
 from gateway.translate.common import (
+    DropLog,
     Event,
     Json,
     TextHoldingBuilder,
     aclose_source,
     content_text,
-    dumps,
+    dumps_request,
     logger,
     new_id,
     parse_arguments,
     translate_stream,
     usage_counts,
+    wrong_type,
 )
 
 __all__ = ["chat_chunks_to_events", "chat_to_message", "error_event", "guard_events", "messages_to_chat"]
@@ -37,18 +39,22 @@ __all__ = ["chat_chunks_to_events", "chat_to_message", "error_event", "guard_eve
 
 
 def messages_to_chat(body: Json) -> Json:
-    """A Messages request as the equivalent chat-completions request (`model` is kept for the route to rewrite)."""
+    """A Messages request as the equivalent chat-completions request (`model` is kept for the route to rewrite).
+
+    Fields the translation reads must have their documented types (400 `invalid_request` naming the field
+    otherwise); what the target cannot carry is dropped and summed up in one warning line."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise InvalidRequestError(
             "'messages' must be a list of {role, content} objects.", code="invalid_request", param="messages"
         )
+    dropped = DropLog("chat completions")
     chat_messages: list[Json] = []
     system = _system_text(body.get("system"))
     if system:
         chat_messages.append({"role": "system", "content": system})
     for position, message in enumerate(messages):
-        chat_messages.extend(_chat_messages(message, position))
+        chat_messages.extend(_chat_messages(message, f"messages[{position}]", dropped))
 
     chat: Json = {"model": body.get("model"), "messages": chat_messages}
     if body.get("max_tokens") is not None:
@@ -67,55 +73,93 @@ def messages_to_chat(body: Json) -> Json:
     response_format = _response_format(body.get("output_config"))
     if response_format is not None:
         chat["response_format"] = response_format
-    _add_tools(chat, body)
+    _add_tools(chat, body, dropped)
+    dropped.log()
     return chat
 
 
 def _system_text(system: Any) -> str:
     """The top-level `system` (a string or text blocks, whose `cache_control` is meaningless downstream)."""
-    if isinstance(system, list):
-        return content_text(system, separator="\n\n")
-    return system if isinstance(system, str) else ""
+    if system is None or isinstance(system, str):
+        return system or ""
+    return _blocks_text(system, "system", separator="\n\n")
 
 
-def _chat_messages(message: Any, position: int) -> list[Json]:
+def _blocks_text(content: Any, param: str, *, separator: str = "\n") -> str:
+    """The text of a string or a list of blocks, each an object whose `text` (when present) is a string."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    _require_blocks(content, param)
+    for index, block in enumerate(content):
+        if block.get("text") is not None and not isinstance(block["text"], str):
+            raise wrong_type(f"{param}[{index}].text", "a string", block["text"])
+    return content_text(content, separator=separator)
+
+
+def _require_blocks(content: Any, param: str) -> list[Json]:
+    if not isinstance(content, list):
+        raise wrong_type(param, "a string or a list of content blocks", content)
+    for index, block in enumerate(content):
+        if not isinstance(block, dict):
+            raise wrong_type(f"{param}[{index}]", "a content block object", block)
+    return content
+
+
+def _string(block: Json, name: str, param: str, default: str = "") -> str:
+    """`block[name]`, which must be a string when present."""
+    value = block.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise wrong_type(f"{param}.{name}", "a string", value)
+    return value
+
+
+def _chat_messages(message: Any, param: str, dropped: DropLog) -> list[Json]:
     if not isinstance(message, dict):
-        raise InvalidRequestError(f"messages[{position}] must be an object.", param=f"messages[{position}]")
+        raise InvalidRequestError(f"{param} must be an object.", code="invalid_request", param=param)
     role, content = message.get("role"), message.get("content")
     if role == "user":
-        return _user_messages(content)
+        return _user_messages(content, f"{param}.content", dropped)
     if role == "assistant":
-        return [_assistant_message(content)]
+        return [_assistant_message(content, f"{param}.content", dropped)]
     if role == "system":
         # Claude Code sends these inside `messages`; chat completions accepts them in place.
-        return [{"role": "system", "content": content_text(content, separator="\n\n")}]
+        return [{"role": "system", "content": _blocks_text(content, f"{param}.content", separator="\n\n")}]
     raise InvalidRequestError(
-        f"messages[{position}].role must be 'user', 'assistant' or 'system', not {role!r}.",
-        param=f"messages[{position}].role",
+        f"{param}.role must be 'user', 'assistant' or 'system', not {_short(role)}.",
+        code="invalid_request",
+        param=f"{param}.role",
     )
 
 
-def _user_messages(content: Any) -> list[Json]:
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _user_messages(content: Any, param: str, dropped: DropLog) -> list[Json]:
     """One user turn: its tool results become `tool` messages (which must directly follow the assistant's
     tool calls), the rest one user message after them."""
-    if isinstance(content, str):
-        return [{"role": "user", "content": content}]
+    if content is None or isinstance(content, str):
+        return [{"role": "user", "content": content or ""}]
     tool_messages: list[Json] = []
     parts: list[Json] = []
-    for block in content or []:
+    for index, block in enumerate(_require_blocks(content, param)):
+        where = f"{param}[{index}]"
         kind = block.get("type")
         if kind == "text":
-            parts.append({"type": "text", "text": block.get("text", "")})
+            parts.append({"type": "text", "text": _string(block, "text", where)})
         elif kind == "image":
-            parts.extend(_image_parts(block))
+            parts.extend(_image_parts(block, where, dropped))
         elif kind == "tool_result":
-            tool_message, images = _tool_result(block)
+            tool_message, images = _tool_result(block, where, dropped)
             tool_messages.append(tool_message)
             parts.extend(images)
         elif kind == "document":
-            parts.extend(_document_parts(block))
+            parts.extend(_document_parts(block, where, dropped))
         else:
-            logger.warning("dropping a %r content block: chat completions has no equivalent", kind)
+            dropped.add("content block", kind)
     if not parts and tool_messages:
         return tool_messages
     return [*tool_messages, {"role": "user", "content": _simplify(parts)}]
@@ -130,61 +174,74 @@ def _simplify(parts: list[Json]) -> str | list[Json]:
     return parts
 
 
-def _image_parts(block: Json) -> list[Json]:
-    source = block.get("source") or {}
+def _source(block: Json, param: str) -> Json:
+    source = block.get("source")
+    if source is None:
+        return {}
+    if not isinstance(source, dict):
+        raise wrong_type(f"{param}.source", "an object", source)
+    return source
+
+
+def _image_parts(block: Json, param: str, dropped: DropLog) -> list[Json]:
+    source = _source(block, param)
+    where = f"{param}.source"
     if source.get("type") == "base64":
-        url = f"data:{source.get('media_type', 'image/png')};base64,{source.get('data', '')}"
+        media_type = _string(source, "media_type", where, "image/png")
+        url = f"data:{media_type};base64,{_string(source, 'data', where)}"
     elif source.get("type") == "url":
-        url = source.get("url", "")
+        url = _string(source, "url", where)
     else:
-        logger.warning(
-            "dropping an image with source type %r: only base64 and url images translate", source.get("type")
-        )
+        dropped.add("image with source type", source.get("type"))
         return []
     return [{"type": "image_url", "image_url": {"url": url}}]
 
 
-def _document_parts(block: Json) -> list[Json]:
-    source = block.get("source") or {}
+def _document_parts(block: Json, param: str, dropped: DropLog) -> list[Json]:
+    source = _source(block, param)
     if source.get("type") == "text":
-        return [{"type": "text", "text": source.get("data", "")}]
+        return [{"type": "text", "text": _string(source, "data", f"{param}.source")}]
     if source.get("type") == "content":
-        return [{"type": "text", "text": content_text(source.get("content"))}]
-    logger.warning("dropping a document with source type %r: chat completions cannot read it", source.get("type"))
+        return [{"type": "text", "text": _blocks_text(source.get("content"), f"{param}.source.content")}]
+    dropped.add("document with source type", source.get("type"))
     return []
 
 
-def _tool_result(block: Json) -> tuple[Json, list[Json]]:
+def _tool_result(block: Json, param: str, dropped: DropLog) -> tuple[Json, list[Json]]:
     """A `tool_result` block as a `tool` message; images in it (tool messages carry text only) come back
     separately, to be sent in the user message that follows."""
     content = block.get("content")
     images: list[Json] = []
+    text = _blocks_text(content, f"{param}.content")
     if isinstance(content, list):
-        for item in content:
-            if isinstance(item, dict) and item.get("type") == "image":
-                images.extend(_image_parts(item))
-    text = content_text(content)
+        for index, item in enumerate(content):
+            if item.get("type") == "image":
+                images.extend(_image_parts(item, f"{param}.content[{index}]", dropped))
     if block.get("is_error"):
         text = f"Error: {text}"
-    return {"role": "tool", "tool_call_id": block.get("tool_use_id", ""), "content": text}, images
+    tool_call_id = _string(block, "tool_use_id", param)
+    return {"role": "tool", "tool_call_id": tool_call_id, "content": text}, images
 
 
-def _assistant_message(content: Any) -> Json:
-    if isinstance(content, str):
-        return {"role": "assistant", "content": content}
+def _assistant_message(content: Any, param: str, dropped: DropLog) -> Json:
+    if content is None or isinstance(content, str):
+        return {"role": "assistant", "content": content or ""}
     texts: list[str] = []
     tool_calls: list[Json] = []
-    for block in content or []:
+    for index, block in enumerate(_require_blocks(content, param)):
+        where = f"{param}[{index}]"
         kind = block.get("type")
         if kind == "text":
-            texts.append(block.get("text", ""))
+            texts.append(_string(block, "text", where))
         elif kind == "tool_use":
-            function = {"name": block.get("name", ""), "arguments": dumps(block.get("input") or {})}
-            tool_calls.append({"id": block.get("id") or new_id("toolu_"), "type": "function", "function": function})
+            arguments = dumps_request(block.get("input") or {}, param=f"{where}.input")
+            function = {"name": _string(block, "name", where), "arguments": arguments}
+            call_id = _string(block, "id", where) or new_id("toolu_")
+            tool_calls.append({"id": call_id, "type": "function", "function": function})
         elif kind in ("thinking", "redacted_thinking"):
             continue  # the target has no thinking; earlier turns' thoughts are not part of the conversation
         else:
-            logger.warning("dropping a %r block from an assistant turn: chat completions has no equivalent", kind)
+            dropped.add("assistant block", kind)
     message: Json = {"role": "assistant", "content": "\n".join(texts) if texts else None}
     if tool_calls:
         message["tool_calls"] = tool_calls
@@ -193,19 +250,15 @@ def _assistant_message(content: Any) -> Json:
     return message
 
 
-def _add_tools(chat: Json, body: Json) -> None:
-    tools: list[Json] = []
-    for tool in body.get("tools") or []:
-        if tool.get("type") not in (None, "custom") or "input_schema" not in tool:
-            # Anthropic-defined tools (web_search_*, bash_*, text_editor_*, computer_*) run on Anthropic's side.
-            logger.warning(
-                "dropping tool %r of type %r: the target model cannot run it", tool.get("name"), tool.get("type")
-            )
-            continue
-        function: Json = {"name": tool["name"], "parameters": tool["input_schema"] or {"type": "object"}}
-        if tool.get("description"):
-            function["description"] = tool["description"]
-        tools.append({"type": "function", "function": function})
+def _add_tools(chat: Json, body: Json, dropped: DropLog) -> None:
+    raw_tools = body.get("tools")
+    if raw_tools is not None and not isinstance(raw_tools, list):
+        raise wrong_type("tools", "a list of tool objects", raw_tools)
+    tools = [
+        {"type": "function", "function": function}
+        for index, tool in enumerate(raw_tools or ())
+        if (function := _function(tool, f"tools[{index}]", dropped)) is not None
+    ]
     if not tools:
         return
     chat["tools"] = tools
@@ -220,9 +273,32 @@ def _add_tools(chat: Json, body: Json) -> None:
     elif kind == "none":
         chat["tool_choice"] = "none"
     elif kind == "tool":
-        chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name", "")}}
+        chat["tool_choice"] = {"type": "function", "function": {"name": _string(choice, "name", "tool_choice")}}
     if choice.get("disable_parallel_tool_use"):
         chat["parallel_tool_calls"] = False
+
+
+def _function(tool: Any, param: str, dropped: DropLog) -> Json | None:
+    """A custom tool as a chat `function`; None for tools only Anthropic can run."""
+    if not isinstance(tool, dict):
+        raise wrong_type(param, "a tool object", tool)
+    if tool.get("type") not in (None, "custom") or "input_schema" not in tool:
+        # Anthropic-defined tools (web_search_*, bash_*, text_editor_*, computer_*) run on Anthropic's side.
+        dropped.add("tool of type", tool.get("type"), name=tool.get("name"))
+        return None
+    name = _string(tool, "name", param)
+    if not name:
+        raise InvalidRequestError(
+            f"`{param}.name` must be a non-empty string.", code="invalid_request", param=f"{param}.name"
+        )
+    schema = tool["input_schema"]
+    if schema is not None and not isinstance(schema, dict):
+        raise wrong_type(f"{param}.input_schema", "a JSON Schema object", schema)
+    function: Json = {"name": name, "parameters": schema or {"type": "object"}}
+    description = _string(tool, "description", param)
+    if description:
+        function["description"] = description
+    return function
 
 
 def _response_format(output_config: Any) -> Json | None:

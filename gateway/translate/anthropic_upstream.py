@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from gateway.errors import BackendError, InvalidRequestError, UnavailableError, UpstreamRateLimitedError
-from gateway.translate.common import Json, aclose_source, content_text, dumps, logger, new_id, parse_arguments
+from gateway.translate.common import DropLog, Json, aclose_source, content_text, dumps, new_id, parse_arguments
 
 __all__ = ["chat_to_messages", "error_from_event", "events_to_chat_chunks", "message_to_chat"]
 
@@ -44,7 +44,8 @@ def chat_to_messages(body: Json, *, default_max_tokens: int = DEFAULT_MAX_TOKENS
             code="unsupported_parameter",
             param="n",
         )
-    system_texts, turns = _turns(messages)
+    drops = DropLog("the Anthropic upstream")
+    system_texts, turns = _turns(messages, drops)
     request: Json = {
         "model": body.get("model"),
         "messages": turns,
@@ -64,11 +65,12 @@ def chat_to_messages(body: Json, *, default_max_tokens: int = DEFAULT_MAX_TOKENS
         request["stream"] = True
     if isinstance(body.get("user"), str):
         request["metadata"] = {"user_id": body["user"]}
-    _add_tools(request, body)
+    _add_tools(request, body, drops)
+    drops.log()
     return request
 
 
-def _turns(messages: list[Json]) -> tuple[list[str], list[Json]]:
+def _turns(messages: list[Json], drops: DropLog) -> tuple[list[str], list[Json]]:
     """(system texts, alternating user/assistant turns) from chat messages."""
     system_texts: list[str] = []
     turns: list[Json] = []
@@ -78,7 +80,7 @@ def _turns(messages: list[Json]) -> tuple[list[str], list[Json]]:
             # Anthropic has one top-level system prompt; instructions given mid-conversation join it in order.
             system_texts.append(content_text(message.get("content"), separator="\n\n"))
         elif role == "user":
-            _append_turn(turns, "user", _user_blocks(message.get("content")))
+            _append_turn(turns, "user", _user_blocks(message.get("content"), drops))
         elif role == "assistant":
             _append_turn(turns, "assistant", _assistant_blocks(message))
         elif role == "tool":
@@ -104,7 +106,7 @@ def _append_turn(turns: list[Json], role: str, blocks: list[Json]) -> None:
         turns.append({"role": role, "content": blocks})
 
 
-def _user_blocks(content: Any) -> list[Json]:
+def _user_blocks(content: Any, drops: DropLog) -> list[Json]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}] if content else []
     blocks: list[Json] = []
@@ -116,7 +118,7 @@ def _user_blocks(content: Any) -> list[Json]:
         elif kind == "image_url":
             blocks.append(_image_block(part.get("image_url") or {}))
         else:
-            logger.warning("dropping a %r content part: the Anthropic upstream has no equivalent", kind)
+            drops.add("content part", kind)
     return blocks
 
 
@@ -147,12 +149,12 @@ def _assistant_blocks(message: Json) -> list[Json]:
     return blocks
 
 
-def _add_tools(request: Json, body: Json) -> None:
+def _add_tools(request: Json, body: Json, drops: DropLog) -> None:
     tools: list[Json] = []
     for tool in body.get("tools") or []:
         function = tool.get("function")
         if tool.get("type") != "function" or not isinstance(function, dict):
-            logger.warning("dropping a tool of type %r: the Anthropic upstream cannot run it", tool.get("type"))
+            drops.add("tool of type", tool.get("type"))
             continue
         converted: Json = {
             "name": function.get("name", ""),

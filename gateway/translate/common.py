@@ -1,4 +1,5 @@
-"""Helpers shared by the translators: ids, tool-argument parsing, chat usage, closing a source stream."""
+"""Helpers shared by the translators: ids, tool-argument parsing, chat usage, closing a source stream, the
+per-request log of dropped items, and the 400s for request fields of the wrong type."""
 
 from __future__ import annotations
 
@@ -9,17 +10,22 @@ from typing import Any
 
 import orjson
 
+from gateway.errors import InvalidRequestError
+
 __all__ = [
+    "DropLog",
     "Event",
     "Json",
     "TextHoldingBuilder",
     "aclose_source",
     "content_text",
     "dumps",
+    "dumps_request",
     "new_id",
     "parse_arguments",
     "translate_stream",
     "usage_counts",
+    "wrong_type",
 ]
 
 Json = dict[str, Any]
@@ -118,6 +124,55 @@ def dumps(value: Any) -> str:
     return orjson.dumps(value).decode()
 
 
+def dumps_request(value: Any, *, param: str) -> str:
+    """`dumps` for a value from the request: 400 naming `param` when it is nested deeper than orjson writes."""
+    try:
+        return dumps(value)
+    except orjson.JSONEncodeError:
+        raise InvalidRequestError(f"`{param}` is nested too deeply.", code="invalid_request", param=param) from None
+
+
+def wrong_type(param: str, expected: str, value: Any) -> InvalidRequestError:
+    """400 for a request field of the wrong type: `param` is its path (`messages[2].content[0].text`)."""
+    got = "null" if value is None else type(value).__name__
+    return InvalidRequestError(f"`{param}` must be {expected}, not {got}.", code="invalid_request", param=param)
+
+
+class DropLog:
+    """What one request's translation dropped because the target cannot carry it, logged as ONE warning line per
+    request: a body of 30,000 unknown blocks writes one line, not 30,000. Kinds are caller input, so they are cut
+    short and only the first few distinct ones are named."""
+
+    _MAX_KINDS = 8
+    _MAX_KIND_CHARS = 40
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.counts: dict[str, int] = {}
+        self.num_unnamed = 0
+
+    def add(self, what: str, kind: Any, *, name: Any = None) -> None:
+        key = f"{what} {self._show(kind)}" if name is None else f"{what} {self._show(kind)} named {self._show(name)}"
+        if key in self.counts:
+            self.counts[key] += 1
+        elif len(self.counts) < self._MAX_KINDS:
+            self.counts[key] = 1
+        else:
+            self.num_unnamed += 1
+
+    def _show(self, value: Any) -> str:
+        shown = repr(value)
+        return shown if len(shown) <= self._MAX_KIND_CHARS else shown[: self._MAX_KIND_CHARS - 3] + "..."
+
+    def log(self) -> None:
+        if not self.counts:
+            return
+        items = ", ".join(f"{count} x {key}" for key, count in self.counts.items())
+        if self.num_unnamed:
+            items += f", {self.num_unnamed} more of other kinds"
+        logger.warning("dropped what %s cannot carry: %s", self.target, items)
+
+
 def parse_arguments(raw: Any) -> Json:
     """Tool-call arguments (a JSON string in chat completions) as the object Anthropic's `input` must be.
 
@@ -140,10 +195,10 @@ def parse_arguments(raw: Any) -> Json:
 
 def content_text(content: Any, *, separator: str = "\n") -> str:
     """The text of a string or a list of text-bearing parts/blocks (`text`, `input_text`, `output_text`, ...)."""
-    if content is None:
-        return ""
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        return ""
     texts = [part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)]
     return separator.join(texts)
 

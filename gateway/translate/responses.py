@@ -16,6 +16,7 @@ from typing import Any
 
 from gateway.errors import GatewayError, InvalidRequestError
 from gateway.translate.common import (
+    DropLog,
     Event,
     Json,
     TextHoldingBuilder,
@@ -24,6 +25,7 @@ from gateway.translate.common import (
     new_id,
     translate_stream,
     usage_counts,
+    wrong_type,
 )
 
 __all__ = ["chat_chunks_to_response_events", "chat_to_response", "responses_to_chat"]
@@ -33,7 +35,10 @@ __all__ = ["chat_chunks_to_response_events", "chat_to_response", "responses_to_c
 
 
 def responses_to_chat(body: Json) -> Json:
-    """A Responses request as the equivalent chat-completions request (`model` is kept for the route to rewrite)."""
+    """A Responses request as the equivalent chat-completions request (`model` is kept for the route to rewrite).
+
+    Fields the translation reads must have their documented types (400 `invalid_request` naming the field
+    otherwise); what the target cannot carry is dropped and summed up in one warning line."""
     if body.get("previous_response_id"):
         raise InvalidRequestError(
             "previous_response_id is not supported: unigate stores no responses (store: false). Resend the whole "
@@ -41,7 +46,8 @@ def responses_to_chat(body: Json) -> Json:
             code="unsupported_parameter",
             param="previous_response_id",
         )
-    messages = _input_messages(body)
+    dropped = DropLog("chat completions")
+    messages = _input_messages(body, dropped)
     chat: Json = {"model": body.get("model"), "messages": messages}
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
@@ -55,29 +61,33 @@ def responses_to_chat(body: Json) -> Json:
     response_format = _response_format(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
-    tools = function_tools(body.get("tools"))
+    tools = function_tools(body.get("tools"), dropped)
     if tools:
         chat["tools"] = [{"type": "function", "function": _chat_function(tool)} for tool in tools]
-        tool_choice = _chat_tool_choice(body.get("tool_choice"))
+        tool_choice = _chat_tool_choice(body.get("tool_choice"), dropped)
         if tool_choice is not None:
             chat["tool_choice"] = tool_choice
         if body.get("parallel_tool_calls") is not None:
             chat["parallel_tool_calls"] = bool(body["parallel_tool_calls"])
+    dropped.log()
     return chat
 
 
-def _input_messages(body: Json) -> list[Json]:
+def _input_messages(body: Json, dropped: DropLog) -> list[Json]:
     """`instructions` and `input` (a string, or message / function_call / function_call_output items) as chat
     messages."""
     messages: list[Json] = []
-    if isinstance(body.get("instructions"), str) and body["instructions"]:
-        messages.append({"role": "system", "content": body["instructions"]})
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise wrong_type("instructions", "a string", instructions)
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
     items = body.get("input")
     if isinstance(items, str):
         messages.append({"role": "user", "content": items})
     elif isinstance(items, list):
-        for item in items:
-            _add_item(messages, item)
+        for index, item in enumerate(items):
+            _add_item(messages, item, f"input[{index}]", dropped)
     elif items is not None:
         raise InvalidRequestError("'input' must be a string or a list of input items.", param="input")
     if not messages:
@@ -91,15 +101,43 @@ def _add_user(chat: Json, body: Json) -> None:
         chat["user"] = user
 
 
-def _add_item(messages: list[Json], item: Any) -> None:
+def _string(item: Json, name: str, param: str, default: str = "") -> str:
+    """`item[name]`, which must be a string when present."""
+    value = item.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise wrong_type(f"{param}.{name}", "a string", value)
+    return value
+
+
+def _parts_text(content: Any, param: str, *, separator: str) -> str:
+    """The text of a string or a list of content parts (objects whose `text`, when present, is a string)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    for index, part in enumerate(_require_parts(content, param)):
+        _string(part, "text", f"{param}[{index}]")
+    return content_text(content, separator=separator)
+
+
+def _require_parts(content: Any, param: str) -> list[Json]:
+    if not isinstance(content, list):
+        raise wrong_type(param, "a string or a list of content parts", content)
+    for index, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise wrong_type(f"{param}[{index}]", "a content part object", part)
+    return content
+
+
+def _add_item(messages: list[Json], item: Any, param: str, dropped: DropLog) -> None:
     if not isinstance(item, dict):
-        raise InvalidRequestError("Each item of 'input' must be an object.", param="input")
+        raise InvalidRequestError(f"Each item of 'input' must be an object ({param} is not).", param="input")
     kind = item.get("type") or ("message" if "role" in item else None)
     if kind == "message":
-        messages.append(_chat_message(item))
+        messages.append(_chat_message(item, param, dropped))
     elif kind == "function_call":
-        function = {"name": item.get("name", ""), "arguments": item.get("arguments") or "{}"}
-        call = {"id": item.get("call_id") or new_id("call_"), "type": "function", "function": function}
+        function = {"name": _string(item, "name", param), "arguments": _string(item, "arguments", param) or "{}"}
+        call = {"id": _string(item, "call_id", param) or new_id("call_"), "type": "function", "function": function}
         last = messages[-1] if messages else None
         if last is not None and last["role"] == "assistant":
             # Parallel calls (and the text before them) are one assistant turn in chat completions.
@@ -109,56 +147,69 @@ def _add_item(messages: list[Json], item: Any) -> None:
         else:
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
     elif kind == "function_call_output":
-        output = item.get("output")
-        text = output if isinstance(output, str) else content_text(output)
-        messages.append({"role": "tool", "tool_call_id": item.get("call_id", ""), "content": text})
+        text = _parts_text(item.get("output"), f"{param}.output", separator="\n")
+        messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", param), "content": text})
     elif kind == "reasoning":
         return  # the target has no reasoning items to resend
     else:
-        logger.warning("dropping an input item of type %r: chat completions has no equivalent", kind)
+        dropped.add("input item of type", kind)
 
 
-def _chat_message(item: Json) -> Json:
+def _chat_message(item: Json, param: str, dropped: DropLog) -> Json:
     role = item.get("role")
     content = item.get("content")
+    where = f"{param}.content"
     if role in ("system", "developer"):
         # Many chat servers (and chat templates) know no `developer` role.
-        return {"role": "system", "content": content_text(content, separator="\n\n")}
+        return {"role": "system", "content": _parts_text(content, where, separator="\n\n")}
     if role == "assistant":
-        return {"role": "assistant", "content": content_text(content, separator="")}
+        return {"role": "assistant", "content": _parts_text(content, where, separator="")}
     if role != "user":
+        role_text = repr(role) if len(repr(role)) <= 40 else repr(role)[:37] + "..."
         raise InvalidRequestError(
-            f"Input message role must be user, assistant, system or developer, not {role!r}.", param="input"
+            f"Input message role ({param}.role) must be user, assistant, system or developer, not {role_text}.",
+            param="input",
         )
-    if isinstance(content, str):
-        return {"role": "user", "content": content}
+    if content is None or isinstance(content, str):
+        return {"role": "user", "content": content or ""}
     parts: list[Json] = []
-    for part in content or []:
+    for index, part in enumerate(_require_parts(content, where)):
+        part_param = f"{where}[{index}]"
         kind = part.get("type")
         if kind in ("input_text", "output_text", "text"):
-            parts.append({"type": "text", "text": part.get("text", "")})
+            parts.append({"type": "text", "text": _string(part, "text", part_param)})
         elif kind == "input_image" and part.get("image_url"):
-            image_url: Json = {"url": part["image_url"]}
+            image_url: Json = {"url": _string(part, "image_url", part_param)}
             if part.get("detail") in ("low", "high"):
                 image_url["detail"] = part["detail"]
             parts.append({"type": "image_url", "image_url": image_url})
         else:
-            logger.warning("dropping a %r input part: chat completions cannot carry it", kind)
+            dropped.add("input part of type", kind)
     if len(parts) == 1 and parts[0]["type"] == "text":
         return {"role": "user", "content": parts[0]["text"]}
     return {"role": "user", "content": parts}
 
 
-def function_tools(tools: Any) -> list[Json]:
-    """The request's `function` tools; the rest cannot be served by a chat-completions target."""
+def function_tools(tools: Any, dropped: DropLog | None = None) -> list[Json]:
+    """The request's `function` tools (400 for a malformed one); the rest cannot be served by a chat-completions
+    target and are noted in `dropped`."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise wrong_type("tools", "a list of tool objects", tools)
     kept: list[Json] = []
-    for tool in tools or []:
+    for index, tool in enumerate(tools):
+        param = f"tools[{index}]"
+        if not isinstance(tool, dict):
+            raise wrong_type(param, "a tool object", tool)
         if tool.get("type") == "function" and tool.get("name"):
+            _string(tool, "name", param)
+            _string(tool, "description", param)
+            if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
+                raise wrong_type(f"{param}.parameters", "a JSON Schema object", tool["parameters"])
             kept.append(tool)
-        else:
-            logger.warning(
-                "dropping tool %r of type %r: the target cannot serve it", tool.get("name"), tool.get("type")
-            )
+        elif dropped is not None:
+            dropped.add("tool of type", tool.get("type"), name=tool.get("name"))
     return kept
 
 
@@ -174,15 +225,15 @@ def _chat_function(tool: Json) -> Json:
     return function
 
 
-def _chat_tool_choice(choice: Any) -> Any:
+def _chat_tool_choice(choice: Any, dropped: DropLog) -> Any:
     if choice in ("auto", "none", "required"):
         return choice
     if isinstance(choice, dict):
-        if choice.get("type") == "function" and choice.get("name"):
+        if choice.get("type") == "function" and isinstance(choice.get("name"), str) and choice["name"]:
             return {"type": "function", "function": {"name": choice["name"]}}
         if choice.get("type") == "allowed_tools" and choice.get("mode") in ("auto", "required"):
             return choice["mode"]
-        logger.warning("ignoring tool_choice of type %r: the target cannot honour it", choice.get("type"))
+        dropped.add("tool_choice of type", choice.get("type"))
     return None
 
 

@@ -105,6 +105,9 @@ def test_key_lifecycle_through_the_cli(cli: Any) -> None:
 
     updated = cli("update", key_id, "--tpm", "500", "--unset", "rpm")
     assert (updated["rpm"], updated["tpm"]) == (None, 500)
+    priced = cli("update", key_id, "--budget-usd", "12.5", "--budget-period", "month")
+    assert (priced["budget_usd"], priced["budget_usd_spent"], priced["spend_usd"]) == (12.5, 0, 0)
+    assert cli("update", key_id, "--unset", "budget_usd")["budget_usd"] is None
 
     rotated = cli("rotate", key_id)
     assert rotated["id"] == key_id and rotated["key"] != secret

@@ -12,7 +12,7 @@ import pytest
 from fakes.net import free_port
 
 from auth.redis_client import EmbeddedRedis, connect
-from auth.scripts import ALL_SCRIPTS
+from auth.scripts import DEFAULT_SCRIPTS
 from auth.store import KeyStore
 from gateway.errors import GatewayError, LimitError, UnavailableError
 
@@ -59,10 +59,10 @@ async def test_fail_closed_serves_cached_keys_only_and_recovers(make_access: Any
     await admin.aclose()
     admin = connect(server.url)
     await admin.script_flush()  # Redis 7+ forgets scripts on restart (6.2 replays them from the AOF)
-    assert not any(await admin.script_exists(*(s.sha for s in ALL_SCRIPTS)))
+    assert not any(await admin.script_exists(*(s.sha for s in DEFAULT_SCRIPTS.all)))
     await _eventually_admitted(access, cold_secret)
     assert await access.ping()
-    admit_sha = next(s.sha for s in ALL_SCRIPTS if s.name == "admit_request")
+    admit_sha = DEFAULT_SCRIPTS.admit.sha
     assert await admin.script_exists(admit_sha) == [True]  # re-registered on NOSCRIPT
     with pytest.raises(LimitError):  # limits apply again (RPM 3)
         for _ in range(4):

@@ -17,6 +17,8 @@ class Settled:
     model: str
     prompt_tokens: int
     completion_tokens: int
+    cost_micros: int = 0
+    is_priced: bool = False
 
 
 @dataclass
@@ -42,7 +44,7 @@ class RecordingAccess(MasterKeyAccess):
             return Principal(key_id=credential, name=credential, models=self.keys[credential])
         return await super().authenticate(credential)
 
-    async def admit(self, credential: str, *, model: str, estimated_tokens: int) -> Admission:
+    async def admit(self, credential: str, *, model: str, estimated_tokens: int, request_id: str = "") -> Admission:
         principal = await self.authenticate(credential)
         if not principal.may_use(model):
             raise PermissionDeniedError(f"This key may not use {model!r}.", code="model_not_allowed")
@@ -54,10 +56,18 @@ class RecordingAccess(MasterKeyAccess):
             headers={"x-ratelimit-remaining-requests": "99"},
         )
 
-    def begin_settle(self, admission: Admission, *, prompt_tokens: int, completion_tokens: int) -> Awaitable[None]:
+    def begin_settle(
+        self,
+        admission: Admission,
+        *,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cost_micros: int = 0,
+        is_priced: bool = False,
+    ) -> Awaitable[None]:
         if admission.is_settled:
             raise AuthError("settled twice")  # the pipeline must settle exactly once
-        self.settled.append(Settled(admission.model, prompt_tokens, completion_tokens))
+        self.settled.append(Settled(admission.model, prompt_tokens, completion_tokens, cost_micros, is_priced))
         return super().begin_settle(admission, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
 
     async def acquire_upstream(self, deployment: str, *, max_in_flight: int, timeout_s: float) -> UpstreamLease:

@@ -25,7 +25,10 @@ def deployment(upstream: FakeUpstream, **extra: Any) -> dict[str, Any]:
 
 
 def make_settings(**overrides: Any) -> Settings:
-    return Settings(_env_file=None, master_key=MASTER, engine={"enabled": False}, **overrides)  # type: ignore[arg-type]
+    """Settings for an in-test gateway: no scheduled health probes unless a test asks (they would add requests to
+    the fakes' exact traffic logs of longer tests)."""
+    values: dict[str, Any] = {"engine": {"enabled": False}, "health_probe_interval_s": 0, **overrides}
+    return Settings(_env_file=None, master_key=MASTER, **values)  # type: ignore[arg-type]
 
 
 def build_app(

@@ -28,6 +28,14 @@ Modes (`Behavior.mode`):
     malformed_chunk   stream `cut_after` chunks, then one broken chunk (`variant`: not_json | no_delta |
                       choices_not_list), then [DONE]
     error_chunk       stream `cut_after` chunks, then `data: {"error": {...}}`
+    redirect          answer `status` (302, 307, ...) with `Location: location`; as the default behaviour, GET
+                      /v1/models redirects too
+    huge              status 200 with a valid chat completion of about `size` bytes; `variant`: "" (content-length),
+                      "chunked" (no length), "gzip" (content-encoding: gzip, inflating to `size`: a compression bomb)
+    sse_huge          stream `cut_after` chunks, then a `data:` line of `size` bytes that never ends
+    sse_comments      stream `cut_after` chunks, then only SSE comments (every `inter_token_s`, default 0.05 s)
+    hang              read the request, then answer nothing
+The last three hold the connection until the client closes it (then `client_gone` is set) or `hold_s` passes.
 Run standalone (benchmarks): `python tests/fakes/upstream.py --port 9000`.
 """
 
@@ -37,6 +45,7 @@ import argparse
 import asyncio
 import contextlib
 import copy
+import gzip
 import threading
 import time
 from collections import deque
@@ -75,6 +84,10 @@ class Behavior:
     cut_after: int = 1
     variant: str = ""
     content: str = "Hello from the fake upstream"
+    location: str = ""
+    size: int = 0
+    hold_s: float = 60.0
+    usage: dict[str, Any] | None = None  # reported instead of the default usage (e.g. absurd figures)
 
 
 @dataclass
@@ -97,6 +110,7 @@ class FakeUpstream:
         self.num_streams_completed = 0
         self.num_connections = 0
         self.is_recording = True
+        self.client_gone = threading.Event()  # a client closed a connection the fake was holding open (hold modes)
         self._queue: deque[Behavior] = deque()
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -124,6 +138,7 @@ class FakeUpstream:
             self.requests.clear()
         self.default = Behavior()
         self.num_streams_aborted = self.num_streams_completed = 0
+        self.client_gone.clear()
 
     def start(self) -> FakeUpstream:
         ready = threading.Event()
@@ -204,6 +219,9 @@ class FakeUpstream:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, method: str, path: str, body: Any
     ) -> bool:
         if method == "GET":
+            if self.default.mode == "redirect":
+                _write(writer, self.default.status, b"", extra_headers={"location": self.default.location})
+                return True
             _write(writer, 200, orjson.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]}))
             return True
         behavior = self._next_behavior()
@@ -224,6 +242,16 @@ class FakeUpstream:
         if mode == "malformed":
             _write(writer, 200, _malformed_body(behavior.variant, request))
             return True
+        if mode == "redirect":
+            body = orjson.dumps({"error": {"message": f"moved to {behavior.location}"}})
+            _write(writer, behavior.status, body, extra_headers={"location": behavior.location})
+            return True
+        if mode == "huge":
+            _write_huge(writer, behavior, request)
+            return True
+        if mode in ("sse_huge", "sse_comments", "hang"):
+            await self._hold(reader, writer, behavior, request, endpoint)
+            return False
         if request.get("stream") and endpoint != "embeddings":
             return await self._stream(reader, writer, behavior, request, endpoint)
         _write(writer, 200, orjson.dumps(_response(endpoint, request, behavior)))
@@ -279,6 +307,64 @@ class FakeUpstream:
             with contextlib.suppress(BaseException):
                 await client_gone  # let the reader settle before it reads the next request
 
+    async def _hold(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        behavior: Behavior,
+        request: dict[str, Any],
+        endpoint: str,
+    ) -> None:
+        """The hold modes: keep the connection busy without finishing, until the client goes away."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + behavior.hold_s
+        client_gone = asyncio.ensure_future(reader.read(1))  # b"" = EOF: the client closed the connection
+        is_stream = behavior.mode != "hang"
+        is_gone = False
+        if is_stream:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            self.num_open_streams += 1
+        try:
+            if is_stream:
+                for event in _events(endpoint, request, behavior)[: behavior.cut_after]:
+                    _write_chunk(writer, event or b"")
+            if behavior.mode == "sse_huge":
+                _write_chunk(writer, b"data: " + b"x" * behavior.size)
+            while not client_gone.done() and loop.time() < deadline:
+                if behavior.mode == "sse_comments":
+                    _write_chunk(writer, b": keep-alive\n\n")
+                await writer.drain()
+                await asyncio.wait((client_gone,), timeout=min(behavior.inter_token_s or 0.05, behavior.hold_s))
+            is_gone = client_gone.done()
+        except ConnectionError:
+            is_gone = True
+        finally:
+            if is_stream:
+                self.num_open_streams -= 1
+                self.num_streams_aborted += int(is_gone)
+            if is_gone:
+                self.client_gone.set()
+            client_gone.cancel()
+            with contextlib.suppress(BaseException):
+                await client_gone
+
+
+def _write_chunk(writer: asyncio.StreamWriter, data: bytes) -> None:
+    writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+
+def _write_huge(writer: asyncio.StreamWriter, behavior: Behavior, request: dict[str, Any]) -> None:
+    body = orjson.dumps(_response("chat", request, Behavior(content="a" * behavior.size)))  # valid, only too big
+    if behavior.variant == "gzip":
+        _write(writer, 200, gzip.compress(body, compresslevel=9), extra_headers={"content-encoding": "gzip"})
+    elif behavior.variant == "chunked":
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
+        for start in range(0, len(body), 1 << 16):
+            _write_chunk(writer, body[start : start + (1 << 16)])
+        writer.write(b"0\r\n\r\n")
+    else:
+        _write(writer, 200, body)
+
 
 def _endpoint(path: str) -> str:
     path = path.split("?", 1)[0]
@@ -302,7 +388,9 @@ def _write(
     writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
 
 
-def _usage(behavior: Behavior) -> dict[str, int]:
+def _usage(behavior: Behavior) -> dict[str, Any]:
+    if behavior.usage is not None:
+        return behavior.usage
     return {
         "prompt_tokens": PROMPT_TOKENS,
         "completion_tokens": behavior.num_chunks,

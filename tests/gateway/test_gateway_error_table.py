@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import httpx
@@ -198,6 +199,28 @@ class ExplodingBackend:
 
     async def aclose(self) -> None:
         return None
+
+
+async def test_local_engine_still_loading_is_503_with_retry_after(fake_upstream: FakeUpstream) -> None:
+    from backends.local import LocalBackend
+
+    release = threading.Event()
+
+    def load() -> Any:  # a model load that has not finished yet
+        release.wait(60)
+        raise RuntimeError("the test ended before the load finished")
+
+    local = LocalBackend("gpt-test#0", load, load_wait_s=0)
+    app = build_app(single_model(fake_upstream), backends={"gpt-test#0": local})
+    try:
+        async with asgi_client(app) as client:
+            response = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+            assert not app.state.router.is_cooling(app.state.router.deployments[0])  # never a cooldown
+    finally:
+        release.set()
+        await local.aclose()
+    error = assert_envelope(response, 503, "engine_loading")
+    assert response.headers["retry-after"] == "5" and "still loading" in error["message"]
 
 
 async def test_unknown_exception_is_500_without_traceback(fake_upstream: FakeUpstream) -> None:

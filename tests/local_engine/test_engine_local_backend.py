@@ -9,7 +9,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 
 from backends.base import Backend
 from backends.local import LocalBackend
@@ -17,29 +16,6 @@ from gateway.errors import InvalidRequestError
 from gateway.settings import EngineSettings, Settings
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Say something about 春天 🌸"}]}
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, real_tokenizer: Any) -> Path:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=real_tokenizer.vocab_size,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        eos_token_id=None,  # random weights: no EOS, so outputs run to max_tokens
-        initializer_range=0.3,
-    )
-    directory = tmp_path_factory.mktemp("tiny-hf")
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    real_tokenizer.hf.save_pretrained(directory)
-    return directory
 
 
 @pytest.fixture

@@ -70,7 +70,7 @@ def stack() -> Iterator[Stack]:
         },
         source="test",
     )
-    settings = Settings(_env_file=None, master_key=MASTER_KEY)  # type: ignore[call-arg]
+    settings = Settings(_env_file=None, master_key=MASTER_KEY, health_probe_interval_s=0)  # type: ignore[call-arg]
     app = create_app(settings, routing=routing)
     gateway = ThreadedServer(app).start()
     try:

@@ -1,0 +1,426 @@
+"""The accounting, proven against a reference model: the real Lua scripts on a real Redis, driven through the real
+`RedisAccess` and `KeyStore`, next to a small pure-Python model of what every limit, budget and usage counter
+must be. Hypothesis picks the steps (create keys, set and unset each limit, admit with random estimates, settle
+above / below / at the reservation, fail before the first token, drop mid-stream, settle twice, rotate, revoke,
+move the clock across minutes, UTC days and months); after every step the Redis state must equal the model's.
+
+Time: the scripts read the clock through one prelude function, `now_ms()`. `ScriptSet(clock_key=...)` builds the
+same scripts with `now_ms()` reading an integer (ms) from a Redis key that the test sets, so the test moves time
+forward by hours or months in one step without `DEBUG` commands, sleeping, or touching the system clock. Only the
+prelude differs from production; every line of the scripts' bodies is the shipped one. Redis' own key TTLs still
+run on real time, which is far shorter than any example's run (every example finishes in well under a minute).
+
+`UNIGATE_ACCOUNTING_EXAMPLES` raises the number of examples (default 25) for a longer search.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+from dataclasses import dataclass, field, replace
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    rule,
+    run_state_machine_as_test,
+)
+
+from auth import redis_names
+from auth.access import RedisAccess
+from auth.base import Admission
+from auth.redis_client import connect
+from auth.scripts import ScriptSet
+from auth.store import KeyStore, period_key
+from gateway.errors import GatewayError
+from gateway.routing_config import PricingConfig
+from gateway.settings import LimitSettings, Settings
+
+CLOCK_KEY = "ug:test:clock"
+WINDOW_MS = 60_000
+LEASE_TTL_MS = 600_000
+START_MS = int(dt.datetime(2026, 1, 31, 23, 58, tzinfo=dt.UTC).timestamp() * 1000)  # a minute, day, month edge
+PRICING = PricingConfig(input_per_mtok=Decimal("0.15"), output_per_mtok=Decimal("0.6"))
+MODELS = ("priced", "free")  # "free" has no price: it costs 0 and is counted as unpriced
+NUM_EXAMPLES = int(os.environ.get("UNIGATE_ACCOUNTING_EXAMPLES", "25"))
+
+limit = st.none() | st.integers(0, 6)
+token_limit = st.none() | st.integers(0, 400)
+concurrency = st.none() | st.integers(1, 3)
+usd_budget = st.none() | st.sampled_from([Decimal(0), Decimal("0.000020"), Decimal("0.0001")])
+periods = st.sampled_from(["total", "day", "month"])
+
+
+def _day(now_ms: int) -> str:
+    return dt.datetime.fromtimestamp(now_ms / 1000, tz=dt.UTC).strftime("%Y-%m-%d")
+
+
+@dataclass
+class KeyModel:
+    id: str
+    secret: str
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+    token_budget: int | None = None
+    budget_micros: int | None = None
+    budget_period: str = "total"
+    is_revoked: bool = False
+    old_secrets: list[str] = field(default_factory=list)
+    rpm_log: list[int] = field(default_factory=list)  # admit times
+    tpm_log: dict[str, tuple[int, int]] = field(default_factory=dict)  # member → (time, tokens)
+    leases: dict[str, int] = field(default_factory=dict)  # lease id → expiry
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    tokens_spent: int = 0
+    spend_micros: int = 0
+    period_key: str = ""
+    period_spent: int = 0
+    period_spend_micros: int = 0
+    usage_days: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    usage_total: dict[str, list[int]] = field(default_factory=dict)
+
+    def live_tokens(self, now: int) -> int:
+        return sum(tokens for time, tokens in self.tpm_log.values() if time > now - WINDOW_MS)
+
+    def budget_spent(self, now: int) -> tuple[int, int]:
+        if self.budget_period == "total":
+            return self.tokens_spent, self.spend_micros
+        if self.period_key == period_key(self.budget_period, now):
+            return self.period_spent, self.period_spend_micros
+        return 0, 0
+
+    def decide(self, now: int, estimate: int) -> str:
+        """The admission decision, in the script's order of checks."""
+        if self.is_revoked:
+            return "key_revoked"
+        spent, spent_micros = self.budget_spent(now)
+        if self.token_budget is not None and spent >= self.token_budget:
+            return "budget_exceeded"
+        if self.budget_micros is not None and spent_micros >= self.budget_micros:
+            return "budget_exceeded"
+        if self.max_concurrent is not None:
+            if sum(1 for expiry in self.leases.values() if expiry > now) >= self.max_concurrent:
+                return "concurrency_limit_exceeded"
+        if self.rpm is not None and sum(1 for t in self.rpm_log if t > now - WINDOW_MS) >= self.rpm:
+            return "rate_limit_exceeded"
+        if self.tpm is not None and self.live_tokens(now) + estimate > self.tpm:
+            return "tokens_limit_exceeded"
+        return "ok"
+
+    def admit(self, now: int, lease_id: str, estimate: int) -> None:
+        if self.rpm is not None:
+            self.rpm_log.append(now)
+        if self.tpm is not None and estimate > 0:
+            self.tpm_log[f"{lease_id}|{estimate}"] = (now, estimate)
+        if self.max_concurrent is not None:
+            self.leases[lease_id] = now + LEASE_TTL_MS
+
+    def settle(self, now: int, lease_id: str, reserved: int, prompt: int, completion: int, model: str) -> None:
+        used = prompt + completion
+        self.leases.pop(lease_id, None)
+        member = f"{lease_id}|{reserved}"
+        entry = self.tpm_log.get(member)
+        if entry is not None and entry[0] > now - WINDOW_MS:
+            del self.tpm_log[member]
+            if used > 0:
+                self.tpm_log[f"{lease_id}|{used}"] = (entry[0], used)
+        elif used > reserved and self.tpm is not None:
+            self.tpm_log[f"{lease_id}:extra|{used - reserved}"] = (now, used - reserved)
+        cost = PRICING.cost_micros(prompt, completion) if model == "priced" else 0
+        self.num_requests += 1
+        self.prompt_tokens += prompt
+        self.completion_tokens += completion
+        self.tokens_spent += used
+        self.spend_micros += cost
+        period = period_key(self.budget_period, now)
+        if period:
+            if self.period_key == period:
+                self.period_spent += used
+                self.period_spend_micros += cost
+            else:
+                self.period_key, self.period_spent, self.period_spend_micros = period, used, cost
+        row = [1, prompt, completion, cost, int(model != "priced")]
+        for target in (self.usage_days.setdefault(_day(now), {}), self.usage_total):
+            counters = target.setdefault(model, [0, 0, 0, 0, 0])
+            for i, value in enumerate(row):
+                counters[i] += value
+
+
+@dataclass
+class Request:
+    key: KeyModel
+    admission: Admission
+    estimate: int
+
+
+def _usage_rows(raw: dict[bytes, bytes]) -> dict[str, list[int]]:
+    names = ("requests", "prompt_tokens", "completion_tokens", "cost_micros", "unpriced_requests")
+    rows: dict[str, list[int]] = {}
+    for name, value in raw.items():
+        model, _, counter = name.decode().rpartition("|")
+        rows.setdefault(model, [0, 0, 0, 0, 0])[names.index(counter)] = int(value)
+    return rows
+
+
+class AccountingMachine(RuleBasedStateMachine):
+    redis_url = ""
+    data_dir = Path(".")
+
+    keys = Bundle("keys")
+    requests = Bundle("requests")
+    settled = Bundle("settled")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.now = START_MS
+        self.redis = connect(self.redis_url)
+        self.run(self.redis.flushall())
+        self.run(self.redis.set(CLOCK_KEY, self.now))
+        script_set = ScriptSet(clock_key=CLOCK_KEY)
+        self.store = KeyStore(self.redis, scripts=script_set)
+        gateway_settings = Settings(
+            _env_file=None,  # type: ignore[call-arg]
+            data_dir=self.data_dir,
+            limits=LimitSettings(lease_ttl_s=LEASE_TTL_MS / 1000),
+        )
+        self.access = RedisAccess(
+            connect(self.redis_url),
+            settings=gateway_settings,
+            master_key="sk-ug-master-test-key-0123456789",
+            script_set=script_set,
+        )
+        self.run(self.access.start())
+        self.models: list[KeyModel] = []
+
+    def run(self, coroutine: Any) -> Any:
+        return self.loop.run_until_complete(coroutine)
+
+    def teardown(self) -> None:
+        client = self.access._redis
+        self.run(self.access.aclose())
+        self.run(client.aclose())
+        self.run(self.redis.aclose())
+        self.loop.close()
+
+    # -- keys ----------------------------------------------------------------------------------------------------
+
+    @initialize(target=keys)
+    def first_key(self) -> KeyModel:
+        return self._create({})
+
+    @rule(
+        target=keys,
+        rpm=limit,
+        tpm=token_limit,
+        max_concurrent=concurrency,
+        token_budget=token_limit,
+        budget_usd=usd_budget,
+        budget_period=periods,
+    )
+    def create_key(self, **fields: Any) -> KeyModel:
+        return self._create(fields)
+
+    def _create(self, fields: dict[str, Any]) -> KeyModel:
+        record_fields = {name: value for name, value in fields.items() if name != "budget_usd"}
+        budget_usd = fields.get("budget_usd")
+        budget_micros = None if budget_usd is None else int(budget_usd * 1_000_000)
+        record, secret = self.run(self.store.create({**record_fields, "budget_micros": budget_micros}))
+        key = KeyModel(id=record.id, secret=secret, budget_micros=budget_micros, **record_fields)
+        self.models.append(key)
+        return key
+
+    @rule(
+        key=keys,
+        name=st.sampled_from(["rpm", "tpm", "max_concurrent", "token_budget", "budget_micros", "budget_period"]),
+        data=st.data(),
+    )
+    def change_limit(self, key: KeyModel, name: str, data: st.DataObject) -> None:
+        strategy = {
+            "rpm": limit,
+            "tpm": token_limit,
+            "max_concurrent": concurrency,
+            "token_budget": token_limit,
+            "budget_micros": st.none() | st.integers(0, 150),
+            "budget_period": periods,
+        }[name]
+        value = data.draw(strategy, label=name)
+        self.run(self.store.update(key.id, {name: value}))
+        setattr(key, name, value)
+
+    @rule(key=keys)
+    def rotate(self, key: KeyModel) -> None:
+        if key.is_revoked:
+            return
+        _, secret = self.run(self.store.rotate(key.id))
+        key.old_secrets.append(key.secret)
+        key.secret = secret
+
+    @rule(key=keys)
+    def revoke(self, key: KeyModel) -> None:
+        self.run(self.store.revoke(key.id))
+        key.is_revoked = True
+
+    # -- requests ------------------------------------------------------------------------------------------------
+
+    @rule(target=requests, key=keys, estimate=st.integers(0, 150), model=st.sampled_from(MODELS))
+    def admit(self, key: KeyModel, estimate: int, model: str) -> Any:
+        expected = key.decide(self.now, estimate)
+        try:
+            admission = self.run(self.access.admit(key.secret, model=model, estimated_tokens=estimate))
+        except GatewayError as error:
+            assert error.code == expected, (error.code, expected, error.message)
+            return multiple()
+        assert expected == "ok", f"admitted, but the model says {expected}"
+        assert admission.lease_id is not None
+        key.admit(self.now, admission.lease_id, estimate)
+        return Request(key, admission, estimate)
+
+    @rule(key=keys, estimate=st.integers(0, 50))
+    def admit_with_old_secret(self, key: KeyModel, estimate: int) -> None:
+        if not key.old_secrets:
+            return
+        try:
+            self.run(self.access.admit(key.old_secrets[-1], model="priced", estimated_tokens=estimate))
+        except GatewayError as error:
+            assert error.code == "invalid_api_key", error.code
+        else:
+            raise AssertionError("a rotated-away secret was admitted")
+
+    @rule(
+        target=settled,
+        request=consumes(requests),
+        shape=st.sampled_from(["above", "below", "equal", "failed_before_first_token", "dropped_mid_stream"]),
+        data=st.data(),
+    )
+    def settle(self, request: Request, shape: str, data: st.DataObject) -> Request:
+        reserved = request.estimate
+        if shape == "above":
+            used = reserved + data.draw(st.integers(1, 200), label="excess")
+        elif shape == "below":
+            used = data.draw(st.integers(0, max(reserved - 1, 0)), label="used")
+        elif shape == "equal":
+            used = reserved
+        elif shape == "failed_before_first_token":
+            used = 0
+        else:  # the prompt was read, part of the answer was streamed
+            used = data.draw(st.integers(1, reserved + 40), label="partial")
+        prompt = data.draw(st.integers(0, used), label="prompt")
+        completion = used - prompt
+        model = request.admission.model
+        cost = PRICING.cost_micros(prompt, completion) if model == "priced" else 0
+        self.run(
+            self.access.settle(
+                request.admission,
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                cost_micros=cost,
+                is_priced=model == "priced",
+            )
+        )
+        assert request.admission.lease_id is not None
+        request.key.settle(self.now, request.admission.lease_id, reserved, prompt, completion, model)
+        return request
+
+    @rule(request=settled, prompt=st.integers(0, 300), completion=st.integers(0, 300))
+    def settle_again(self, request: Request, prompt: int, completion: int) -> None:
+        """A retried settle (another instance, a replayed hand-off) reaches the script again: it changes nothing."""
+        fresh = replace(request.admission, is_settled=False)
+        self.run(self.access.settle(fresh, prompt_tokens=prompt, completion_tokens=completion))
+
+    # -- time ----------------------------------------------------------------------------------------------------
+
+    @rule(ms=st.integers(1, 5_000) | st.sampled_from([WINDOW_MS - 1, WINDOW_MS, WINDOW_MS + 1, 3_600_000]))
+    def advance(self, ms: int) -> None:
+        self._set_clock(self.now + ms)
+
+    @rule(unit=st.sampled_from(["day", "month"]), before_ms=st.integers(-2_000, 2_000))
+    def cross_calendar(self, unit: str, before_ms: int) -> None:
+        """Jump to within two seconds of the next UTC midnight or the next month's first midnight."""
+        moment = dt.datetime.fromtimestamp(self.now / 1000, tz=dt.UTC)
+        if unit == "day":
+            edge = dt.datetime(moment.year, moment.month, moment.day, tzinfo=dt.UTC) + dt.timedelta(days=1)
+        else:
+            year, month = (moment.year + 1, 1) if moment.month == 12 else (moment.year, moment.month + 1)
+            edge = dt.datetime(year, month, 1, tzinfo=dt.UTC)
+        self._set_clock(max(self.now + 1, int(edge.timestamp() * 1000) + before_ms))
+
+    def _set_clock(self, now: int) -> None:
+        self.now = now
+        self.run(self.redis.set(CLOCK_KEY, now))
+
+    # -- invariants ----------------------------------------------------------------------------------------------
+
+    @invariant()
+    def no_script_or_storage_errors(self) -> None:
+        assert self.access.num_script_errors == {}, self.access.num_script_errors
+        assert self.access.num_storage_errors == 0
+
+    @invariant()
+    def redis_equals_model(self) -> None:
+        for key in self.models:
+            self.run(self._check_key(key))
+
+    async def _check_key(self, key: KeyModel) -> None:
+        redis, now = self.redis, self.now
+        record = await self.store.get(key.id)
+        assert (record.num_requests, record.prompt_tokens, record.completion_tokens) == (
+            key.num_requests,
+            key.prompt_tokens,
+            key.completion_tokens,
+        )
+        assert (record.tokens_spent, record.spend_micros) == (key.tokens_spent, key.spend_micros)
+        assert (record.period_key, record.period_spent, record.period_spend_micros) == (
+            key.period_key,
+            key.period_spent,
+            key.period_spend_micros,
+        )
+        assert (record.budget_spent(now), record.budget_spend_micros(now)) == key.budget_spent(now)
+
+        members = await redis.zrange(redis_names.key_tpm_log(key.id), 0, -1, withscores=True)
+        logged = {member.decode(): int(score) for member, score in members}
+        total = sum(int(member.rpartition("|")[2]) for member in logged)
+        assert int(await redis.get(redis_names.key_tpm_sum(key.id)) or 0) == total, "tpm_sum drifted from its log"
+        live = {member for member, score in logged.items() if score > now - WINDOW_MS}
+        assert live == {m for m, (t, _) in key.tpm_log.items() if t > now - WINDOW_MS}
+        assert sum(int(m.rpartition("|")[2]) for m in live) == key.live_tokens(now)
+
+        leases = await redis.zrange(redis_names.key_leases(key.id), 0, -1, withscores=True)
+        assert {m.decode() for m, expiry in leases if expiry > now} == {
+            lease for lease, expiry in key.leases.items() if expiry > now
+        }
+
+        assert _usage_rows(await redis.hgetall(redis_names.key_usage_total(key.id))) == key.usage_total
+        days = {day.decode() for day in await redis.zrange(redis_names.key_usage_days(key.id), 0, -1)}
+        assert days == set(key.usage_days)
+        for day, rows in key.usage_days.items():
+            assert _usage_rows(await redis.hgetall(redis_names.key_usage_day(key.id, day))) == rows
+
+
+@pytest.mark.timeout(600)
+def test_accounting_matches_the_reference_model(redis_url: str, tmp_path: Path) -> None:
+    AccountingMachine.redis_url = redis_url
+    AccountingMachine.data_dir = tmp_path
+    run_state_machine_as_test(
+        AccountingMachine,
+        settings=settings(
+            max_examples=NUM_EXAMPLES,
+            stateful_step_count=40,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+            database=None,
+        ),
+    )

@@ -1,0 +1,219 @@
+"""Accounting end to end: two real gateway instances (production wiring) sharing one real Redis, a fake upstream
+that reports more usage than the gateway reserves (prompt 7 + completion 3 = 10 tokens for a request whose
+reservation is 1 + max_tokens 8 = 9), every API family, streaming and not, sequential and concurrent clients.
+
+RPM is exact, token and spend budgets are charged exactly with the upstream's reported usage, and the usage per
+key, model and day is exact. These are the flows of issue 18, which a settle-script bug used to turn off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from fakes.app import MASTER
+from fakes.server import ThreadedServer
+from fakes.upstream import PROMPT_TOKENS, FakeUpstream
+from redis.asyncio import Redis
+
+from gateway.server import build_app
+from gateway.settings import Settings
+
+ADMIN = {"authorization": f"Bearer {MASTER}"}
+COMPLETION_TOKENS = 3  # the fake's default num_chunks
+USED = PROMPT_TOKENS + COMPLETION_TOKENS  # per request: above the 9-token reservation of every body below
+COST_MICROS = 3  # 7 × 0.15 + 3 × 0.60 = 2.85 micro-dollars, rounded to 3 per request
+
+
+def body(family: str, *, stream: bool, model: str = "gpt-test") -> tuple[str, dict[str, Any]]:
+    if family == "chat":
+        return "/v1/chat/completions", {
+            "model": model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 8,
+            "stream": stream,
+        }
+    if family == "messages":
+        return "/v1/messages", {
+            "model": model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 8,
+            "stream": stream,
+        }
+    return "/v1/responses", {"model": model, "input": "hi", "max_output_tokens": 8, "stream": stream}
+
+
+@pytest.fixture
+def gateways(
+    redis_url: str, tmp_path: Path, fake_upstream: FakeUpstream
+) -> Iterator[tuple[ThreadedServer, ThreadedServer]]:
+    routing = tmp_path / "unigate.yaml"
+    deployment = {"type": "openai", "base_url": fake_upstream.base_url, "api_key": "sk-up"}
+    pricing = {"input_per_mtok": 0.15, "output_per_mtok": 0.60, "currency": "USD"}
+    models = [
+        {"id": "gpt-test", "deployments": [deployment], "pricing": pricing},
+        {"id": "unpriced", "deployments": [{**deployment, "name": "unpriced"}]},
+    ]
+    routing.write_text(yaml.safe_dump({"models": models}))
+    servers = []
+    for name in ("a", "b"):
+        settings = Settings(
+            _env_file=None,  # type: ignore[call-arg]
+            config=routing,
+            master_key=MASTER,  # type: ignore[arg-type]
+            redis_url=redis_url,
+            data_dir=tmp_path / name,
+            engine={"enabled": False},  # type: ignore[arg-type]
+        )
+        servers.append(ThreadedServer(build_app(settings)).start())
+    try:
+        yield servers[0], servers[1]
+    finally:
+        for server in servers:
+            server.stop()
+
+
+async def create_key(client: httpx.AsyncClient, base_url: str, **fields: Any) -> tuple[str, dict[str, str]]:
+    response = await client.post(f"{base_url}/admin/keys", json=fields, headers=ADMIN)
+    assert response.status_code in (200, 201), response.text
+    return response.json()["id"], {"authorization": f"Bearer {response.json()['key']}"}
+
+
+async def send(client: httpx.AsyncClient, url: str, family: str, headers: dict[str, str], **kwargs: Any) -> int:
+    path, payload = body(family, **kwargs)
+    response = await client.post(url + path, json=payload, headers=headers)
+    if response.status_code == 200 and kwargs.get("stream"):
+        assert "[DONE]" in response.text or "message_stop" in response.text or "response.completed" in response.text
+    return response.status_code
+
+
+async def settled_record(client: httpx.AsyncClient, url: str, key_id: str, num_requests: int) -> dict[str, Any]:
+    """The key's record once `num_requests` settles landed (the last may land just after its response)."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        record: dict[str, Any] = (await client.get(f"{url}/admin/keys/{key_id}", headers=ADMIN)).json()
+        if record["num_requests"] >= num_requests or time.monotonic() > deadline:
+            return record
+        await asyncio.sleep(0.05)
+
+
+FAMILIES = ("chat", "messages", "responses")
+
+
+async def test_rpm_is_exact_when_usage_exceeds_the_reservation(
+    gateways: tuple[ThreadedServer, ThreadedServer],
+) -> None:
+    a, b = gateways
+    async with httpx.AsyncClient(timeout=30) as client:
+        key_id, user = await create_key(client, a.url, rpm=5)
+        statuses = [await send(client, (a, b)[i % 2].url, FAMILIES[i % 3], user, stream=i % 4 == 0) for i in range(40)]
+        assert statuses == [200] * 5 + [429] * 35
+        record = await settled_record(client, a.url, key_id, 5)
+    assert record["num_requests"] == 5 and record["tokens_spent"] == 5 * USED
+
+
+async def test_token_budget_is_charged_with_the_reported_usage(
+    gateways: tuple[ThreadedServer, ThreadedServer],
+) -> None:
+    a, b = gateways
+    async with httpx.AsyncClient(timeout=30) as client:
+        key_id, user = await create_key(client, b.url, token_budget=20)
+        statuses = [await send(client, (a, b)[i % 2].url, FAMILIES[i % 3], user, stream=i == 1) for i in range(6)]
+        # 0 → 10 → 20 tokens spent: the third request finds the budget used up.
+        assert statuses == [200, 200, 429, 429, 429, 429]
+        record = await settled_record(client, a.url, key_id, 2)
+        assert (record["budget_spent"], record["num_requests"], record["budget_remaining"]) == (20, 2, 0)
+        path, payload = body("chat", stream=False)
+        refused = await client.post(a.url + path, json=payload, headers=user)
+        assert refused.json()["error"]["code"] == "budget_exceeded"
+        assert "20 tokens spent of 20" in refused.json()["error"]["message"]
+        usage = (await client.get(f"{a.url}/admin/usage", headers=ADMIN)).json()
+    assert (usage["requests"], usage["total_tokens"]) == (2, 20)
+
+
+async def test_usage_is_exact_for_concurrent_clients_of_every_family(
+    gateways: tuple[ThreadedServer, ThreadedServer],
+) -> None:
+    """A key with no limits at all: every request is recorded, per model and day, on both instances."""
+    a, b = gateways
+    async with httpx.AsyncClient(timeout=30) as client:
+        key_id, user = await create_key(client, a.url)
+        jobs = [
+            send(
+                client,
+                (a, b)[i % 2].url,
+                FAMILIES[i % 3],
+                user,
+                stream=i % 2 == 0,
+                model=("gpt-test", "unpriced")[i % 5 == 0],
+            )
+            for i in range(30)
+        ]
+        assert await asyncio.gather(*jobs) == [200] * 30
+        record = await settled_record(client, b.url, key_id, 30)
+        usage = (await client.get(f"{b.url}/admin/keys/{key_id}/usage", headers=ADMIN)).json()
+        totals = (await client.get(f"{b.url}/admin/usage", headers=ADMIN)).json()
+    num_unpriced = sum(1 for i in range(30) if i % 5 == 0)
+    num_priced = 30 - num_unpriced
+    assert (record["num_requests"], record["prompt_tokens"], record["completion_tokens"]) == (
+        30,
+        30 * PROMPT_TOKENS,
+        30 * COMPLETION_TOKENS,
+    )
+    assert record["spend_usd"] == pytest.approx(num_priced * COST_MICROS / 1e6, abs=1e-12)
+    rows = {row["model"]: row for row in usage["data"]}
+    assert set(rows) == {"gpt-test", "unpriced"} and len({row["date"] for row in usage["data"]}) == 1
+    assert rows["gpt-test"]["requests"] == num_priced and rows["unpriced"]["requests"] == num_unpriced
+    assert rows["gpt-test"]["total_tokens"] == num_priced * USED
+    assert rows["unpriced"]["spend_usd"] == 0 and rows["unpriced"]["unpriced_requests"] == num_unpriced
+    assert rows["gpt-test"]["unpriced_requests"] == 0
+    assert totals["by_day"][0]["requests"] == 30 and totals["by_day"][0]["total_tokens"] == 30 * USED
+    assert totals["unpriced_requests"] == num_unpriced
+
+
+async def test_spend_budget_in_usd(gateways: tuple[ThreadedServer, ThreadedServer]) -> None:
+    a, b = gateways
+    async with httpx.AsyncClient(timeout=30) as client:
+        key_id, user = await create_key(client, a.url, budget_usd=0.00001, budget_period="day")  # 10 micro-dollars
+        statuses = [await send(client, (a, b)[i % 2].url, FAMILIES[i % 3], user, stream=i % 2 == 1) for i in range(6)]
+        assert statuses == [200, 200, 200, 200, 429, 429]  # 0 → 3 → 6 → 9 → 12 micro-dollars
+        path, payload = body("chat", stream=False)
+        refused = (await client.post(b.url + path, json=payload, headers=user)).json()["error"]
+        record = await settled_record(client, a.url, key_id, 4)
+    assert refused["code"] == "budget_exceeded"
+    assert "$0.000012 spent of $0.00001" in refused["message"] and "budget_usd" in refused["message"]
+    assert record["budget_usd"] == pytest.approx(1e-5) and record["spend_usd"] == pytest.approx(12e-6)
+    assert record["budget_usd_spent"] == pytest.approx(12e-6) and record["budget_usd_remaining"] == 0
+
+
+@pytest.mark.parametrize("figure", [1e15, 10**15, -5, "12", 3.7, None])
+async def test_absurd_usage_from_an_upstream_cannot_poison_a_key(
+    gateways: tuple[ThreadedServer, ThreadedServer], fake_upstream: FakeUpstream, redis_url: str, figure: Any
+) -> None:
+    """An upstream reporting `prompt_tokens: 1e15` (or garbage) is charged a clamped integer; the key's token log
+    keeps integer members and a TTL, and the key keeps answering (429 while the excess is in the window, never 503)."""
+    a, b = gateways
+    fake_upstream.behave(usage={"prompt_tokens": figure, "completion_tokens": 1, "total_tokens": 1})
+    async with httpx.AsyncClient(timeout=30) as client:
+        key_id, user = await create_key(client, a.url, tpm=1000)
+        assert await send(client, a.url, "chat", user, stream=False) == 200
+        record = await settled_record(client, a.url, key_id, 1)
+        statuses = {await send(client, (a, b)[i % 2].url, "chat", user, stream=False) for i in range(4)}
+    is_huge = isinstance(figure, int | float) and figure > 1000
+    assert statuses == ({429} if is_huge else {200})
+    expected = 2**40 if is_huge else (int(figure) if isinstance(figure, int | float) and figure > 0 else 0)
+    assert record["prompt_tokens"] == expected
+    redis = Redis.from_url(redis_url)
+    try:
+        log = f"ug:{{{key_id}}}:tpm"
+        members = [member.decode() for member in await redis.zrange(log, 0, -1)]
+        assert all(member.rpartition("|")[2].isdigit() for member in members), members
+        assert await redis.pttl(log) > 0 and await redis.pttl(f"ug:{{{key_id}}}:tpm_sum") > 0
+    finally:
+        await redis.aclose()
