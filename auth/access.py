@@ -7,7 +7,7 @@ in-process cache holds verified keys for `limits.key_cache_ttl_s`; it serves `au
 keys through a Redis outage, and is invalidated through pub/sub (`ug:events`) when an admin changes a key.
 
 When Redis fails (`StorageError`: unreachable, timed out, or refusing for its own state),
-`settings.redis_failure_mode` decides: `closed` → 503 `limits_unavailable`
+`AccessConfig.failure_mode` (`UNIGATE_REDIS_FAILURE_MODE`) decides: `closed` → 503 `limits_unavailable`
 except for keys verified within the cache lifetime; `open` → serve every key this instance has verified before,
 without limits (an unknown key still cannot be verified, so it still gets 503). Every bypass is logged and
 counted. Nothing waits on a dead Redis for longer than the client's socket timeout, and after one failure the
@@ -30,7 +30,7 @@ import math
 import time
 from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from redis.asyncio import ConnectionPool, Redis
 from redis.exceptions import MaxConnectionsError, NoScriptError, RedisError
@@ -49,9 +49,8 @@ from gateway.errors import (
     PermissionDeniedError,
     UnavailableError,
 )
-from gateway.settings import Settings
 
-__all__ = ["RedisAccess", "format_reset"]
+__all__ = ["AccessConfig", "RedisAccess", "format_reset"]
 
 logger = logging.getLogger("unigate.auth")
 
@@ -128,15 +127,19 @@ def _unknown_key_error() -> AuthError:
 
 
 def _headers(reply: AdmitReply) -> dict[str, str]:
+    """OpenAI's x-ratelimit-* headers. A remaining count the script did not get to (-1 on a rejection by an
+    earlier check) is left out with its reset rather than reported as 0."""
     headers: dict[str, str] = {}
     if reply.rpm_limit >= 0:
         headers["x-ratelimit-limit-requests"] = str(reply.rpm_limit)
-        headers["x-ratelimit-remaining-requests"] = str(max(reply.rpm_remaining, 0))
-        headers["x-ratelimit-reset-requests"] = format_reset(reply.rpm_reset_ms)
+        if reply.rpm_remaining >= 0:
+            headers["x-ratelimit-remaining-requests"] = str(reply.rpm_remaining)
+            headers["x-ratelimit-reset-requests"] = format_reset(reply.rpm_reset_ms)
     if reply.tpm_limit >= 0:
         headers["x-ratelimit-limit-tokens"] = str(reply.tpm_limit)
-        headers["x-ratelimit-remaining-tokens"] = str(max(reply.tpm_remaining, 0))
-        headers["x-ratelimit-reset-tokens"] = format_reset(reply.tpm_reset_ms)
+        if reply.tpm_remaining >= 0:
+            headers["x-ratelimit-remaining-tokens"] = str(reply.tpm_remaining)
+            headers["x-ratelimit-reset-tokens"] = format_reset(reply.tpm_reset_ms)
     return headers
 
 
@@ -175,7 +178,6 @@ def _rejection(reply: AdmitReply, principal: Principal | None, model: str, estim
         )
     headers = {**_retry_after(retry_ms), **_headers(reply)}
     if status == "rate_limit_exceeded":
-        headers["x-ratelimit-remaining-requests"] = "0"
         return LimitError(
             f"Rate limit reached: {reply.rpm_limit} requests per minute for this API key. "
             f"Retry after {headers['retry-after']} s.",
@@ -184,7 +186,7 @@ def _rejection(reply: AdmitReply, principal: Principal | None, model: str, estim
         )
     if status == "tokens_limit_exceeded":
         if estimated_tokens > reply.tpm_limit:
-            # Waiting never helps: no retry hint, and the headers say nothing was spent.
+            # Waiting never helps: no retry hint (the headers still say what is left in the window).
             return LimitError(
                 f"This request may use up to {estimated_tokens} tokens, more than this key's whole limit of "
                 f"{reply.tpm_limit} tokens per minute, so it can never fit. Lower max_tokens or shorten the prompt.",
@@ -200,6 +202,15 @@ def _rejection(reply: AdmitReply, principal: Principal | None, model: str, estim
     return _unknown_key_error()
 
 
+@dataclass(frozen=True, slots=True)
+class AccessConfig:
+    """What `RedisAccess` needs of the gateway's settings, passed in by the composition root (gateway/server.py)."""
+
+    failure_mode: Literal["closed", "open"] = "closed"  # UNIGATE_REDIS_FAILURE_MODE
+    key_cache_ttl_s: float = 5.0  # limits.key_cache_ttl_s
+    lease_ttl_s: float = 600.0  # limits.lease_ttl_s
+
+
 class RedisAccess:
     """`AccessControl` over Redis. Call `start()` once (the lifespan does) and `aclose()` at shutdown."""
 
@@ -207,7 +218,7 @@ class RedisAccess:
         self,
         redis: Redis,
         *,
-        settings: Settings,
+        config: AccessConfig,
         master_key: str,
         rate_window_s: float = 60.0,
         script_set: ScriptSet = DEFAULT_SCRIPTS,
@@ -221,9 +232,9 @@ class RedisAccess:
         self._blocking = _blocking_client(redis, read_timeout_s=_POLL_S + 1.0)
         self._master_key = master_key.encode()
         self._master = Principal(key_id=None, name="master", is_master=True)
-        self._is_fail_open = settings.redis_failure_mode == "open"
-        self._cache_ttl_s = settings.limits.key_cache_ttl_s
-        self._lease_ttl_ms = int(settings.limits.lease_ttl_s * 1000)
+        self._is_fail_open = config.failure_mode == "open"
+        self._cache_ttl_s = config.key_cache_ttl_s
+        self._lease_ttl_ms = int(config.lease_ttl_s * 1000)
         self._window_ms = int(rate_window_s * 1000)
         self._cache: dict[str, _CachedKey] = {}
         self._redis_down_until = 0.0

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from auth.keys import generate_key
-from gateway.settings import Settings
 
 __all__ = ["master_key_path", "read_master_key", "resolve_master_key"]
 
@@ -22,11 +21,12 @@ def master_key_path(data_dir: Path) -> Path:
     return Path(data_dir) / "master_key"
 
 
-def read_master_key(settings: Settings) -> str | None:
-    """The configured key, else the stored one, else None (nothing is created)."""
-    if settings.master_key is not None:
-        return settings.master_key.get_secret_value()
-    path = master_key_path(settings.data_dir)
+def read_master_key(configured: str | None, data_dir: Path) -> str | None:
+    """The configured key (`UNIGATE_MASTER_KEY`), else the one stored in `data_dir`, else None (nothing is
+    created)."""
+    if configured is not None:
+        return configured
+    path = master_key_path(data_dir)
     try:
         return path.read_text(encoding="utf-8").strip() or None
     except FileNotFoundError:
@@ -41,29 +41,31 @@ def _announce(key: str, path: Path) -> None:
     )
 
 
-def _wait_for_stored(settings: Settings, path: Path) -> str:
+def _wait_for_stored(data_dir: Path, path: Path) -> str:
     # Another worker created the file a moment ago and may not have written it yet.
     for _ in range(50):
-        stored = read_master_key(settings)
+        stored = read_master_key(None, data_dir)
         if stored is not None:
             return stored
         time.sleep(0.02)
     raise RuntimeError(f"{path} exists but is empty; delete it to generate a new master key")
 
 
-def resolve_master_key(settings: Settings, *, announce: Callable[[str, Path], None] = _announce) -> str:
-    """The master key to use, generating and storing one on first start when none is configured."""
-    existing = read_master_key(settings)
+def resolve_master_key(
+    configured: str | None, data_dir: Path, *, announce: Callable[[str, Path], None] = _announce
+) -> str:
+    """The master key to use, generating and storing one in `data_dir` on first start when none is configured."""
+    existing = read_master_key(configured, data_dir)
     if existing is not None:
         return existing
-    path = master_key_path(settings.data_dir)
+    path = master_key_path(data_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     key = generate_key()
     try:
         # O_EXCL: when several workers start at once exactly one creates the file; the others read it.
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        return _wait_for_stored(settings, path)
+        return _wait_for_stored(data_dir, path)
     with os.fdopen(fd, "w", encoding="utf-8") as file:
         file.write(key + "\n")
     announce(key, path)

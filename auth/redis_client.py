@@ -100,7 +100,7 @@ class EmbeddedRedis:
             "--dbfilename", "redis.rdb",
             "--appendonly", "yes",
             "--appendfsync", "everysec",
-            "--save", "60 1",
+            "--save", "60", "1",  # two arguments: redis-server 6 reads one "60 1" as no snapshots at all
             "--daemonize", "no",
             "--loglevel", "warning",
             "--logfile", str(self.data_dir / "redis.log"),

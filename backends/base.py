@@ -8,9 +8,20 @@ adds what the backend needs, e.g. `stream_options.include_usage`). Backends rais
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
-__all__ = ["Backend", "Endpoint", "HealthState", "Json", "ReportsHealthState"]
+__all__ = [
+    "MAX_TOKENS_CLAMPED_KEY",
+    "Backend",
+    "CountsPromptTokens",
+    "Endpoint",
+    "FitsOutput",
+    "HealthState",
+    "Json",
+    "OutputLimits",
+    "ReportsHealthState",
+]
 
 Json = dict[str, Any]
 
@@ -19,6 +30,11 @@ Endpoint = Literal["chat/completions", "completions", "embeddings", "responses",
 
 # A deployment's own view of its health; `/health/ready` adds `cooling_down` (the router's view).
 HealthState = Literal["up", "down", "loading", "restarting"]
+
+# A backend that lowered a request's output limit to fit its context says so in its response (or its stream's first
+# chunk) under this key, as `[requested, served]`; the gateway removes the key and answers with the header
+# `x-unigate-max-tokens-clamped: <requested> -> <served>`. (Over HTTP, `unigate engine serve` sends that header.)
+MAX_TOKENS_CLAMPED_KEY = "x_unigate_max_tokens_clamped"
 
 
 @runtime_checkable
@@ -57,3 +73,31 @@ class ReportsHealthState(Protocol):
     get its own, more precise answer (503 `engine_loading` while loading, `engine_error` when it failed)."""
 
     def health_state(self) -> HealthState: ...
+
+
+@runtime_checkable
+class CountsPromptTokens(Protocol):
+    """Optional capability: a backend that counts a chat-completions prompt exactly as its `usage.prompt_tokens`
+    would (the local engine: its tokenizer and chat template). `POST /v1/messages/count_tokens` answers with this
+    count; for other backends the gateway can only estimate."""
+
+    async def count_prompt_tokens(self, body: Json) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class OutputLimits:
+    """How a deployment limits a request's output: its context length in tokens (None while unknown), whether an
+    output limit too big for that context is lowered to the room left (`is_clamping`) rather than refused, and the
+    limit it applies when the request sets none (None: no default)."""
+
+    context_length: int | None
+    is_clamping: bool
+    default_max_tokens: int | None
+
+
+@runtime_checkable
+class FitsOutput(Protocol):
+    """Optional capability: a backend that fits each request's output limit to its own context exactly (the local
+    engine counts the prompt with its tokenizer). The gateway reads the limits to reserve tokens at admission."""
+
+    def output_limits(self) -> OutputLimits: ...

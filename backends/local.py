@@ -6,6 +6,10 @@ with a `Retry-After` (never a cooldown). Responses, chunks, usage and logprobs f
 failures surface as `gateway.errors` types, translated here from the engine's own tree (`local_engine.errors`).
 Prompts are tokenized off the event loop, after a size check that refuses a prompt too long to ever fit. Closing
 a stream early aborts its engine requests, which frees their KV blocks within one step.
+
+Output limits (docs/coding-agents.md): a `max_tokens` that does not fit next to the prompt is lowered to the room
+left (`clamp_max_tokens`, on by default; the response says so, see `backends.base.MAX_TOKENS_CLAMPED_KEY`), and a
+request that sets none gets `default_max_tokens`. A prompt that does not fit at all is still refused.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from backends.base import Endpoint, HealthState, Json
-from backends.tool_calls import ToolCallStream, parse_tool_calls, tool_names
+from backends.base import MAX_TOKENS_CLAMPED_KEY, Endpoint, HealthState, Json, OutputLimits
+from backends.tool_calls import ToolCallStream, parse_tool_calls, plain_tool_messages, tool_names
 from gateway.errors import EngineError, EngineLoadingError, GatewayError, InvalidRequestError
+from local_engine.errors import CheckpointError, InvalidParamError, PromptTooLongError
 
 if TYPE_CHECKING:
     from gateway.settings import Settings
@@ -44,11 +50,20 @@ class LocalBackend:
     """One `type: local` deployment: a model served in this process."""
 
     def __init__(
-        self, name: str, load: Callable[[], AsyncEngine], *, model_id: str | None = None, load_wait_s: float = 30.0
+        self,
+        name: str,
+        load: Callable[[], AsyncEngine],
+        *,
+        model_id: str | None = None,
+        load_wait_s: float = 30.0,
+        clamp_max_tokens: bool = True,
+        default_max_tokens: int | None = None,
     ) -> None:
         self.name = name
         self.model_id = model_id or name
         self.load_wait_s = load_wait_s
+        self.clamp_max_tokens = clamp_max_tokens
+        self.default_max_tokens = default_max_tokens or None  # 0 = none
         self._load_started = time.monotonic()
         self._ids = itertools.count()
         self._engine: AsyncEngine | None = None
@@ -81,11 +96,15 @@ class LocalBackend:
             checkpoint = load_checkpoint(model_path or bundled_model_path(), cache_dir=cache_dir, dtype=dtype)
             return AsyncEngine(LLMEngine.from_checkpoint(checkpoint, config))
 
+        clamp = getattr(deployment, "clamp_max_tokens", None)
+        default_max_tokens = getattr(deployment, "default_max_tokens", None)
         return cls(
             deployment.name,
             load,
             model_id=getattr(deployment, "id", None) or engine_settings.model_id,
             load_wait_s=engine_settings.load_wait_s,
+            clamp_max_tokens=True if clamp is None else bool(clamp),
+            default_max_tokens=engine_settings.default_max_tokens if default_max_tokens is None else default_max_tokens,
         )
 
     def _load(self, load: Callable[[], AsyncEngine]) -> AsyncEngine:
@@ -115,9 +134,13 @@ class LocalBackend:
         if self._engine is not None:
             return self._engine
         if not self._loading.done():
+            waiting = asyncio.wrap_future(self._loading)
+            # The load's outcome is read from `self._loading` below; this copy's must never go unretrieved (its
+            # "exception never retrieved" report would run from the garbage collector at an arbitrary moment).
+            waiting.add_done_callback(_retrieve)
             try:
                 async with asyncio.timeout(self.load_wait_s):
-                    await asyncio.shield(asyncio.wrap_future(self._loading))
+                    await asyncio.shield(waiting)
             except TimeoutError:
                 if not self._loading.done():
                     raise self._still_loading() from None
@@ -128,6 +151,8 @@ class LocalBackend:
             return self._loading.result()
         if isinstance(error, GatewayError):
             raise error
+        if isinstance(error, CheckpointError):  # the engine's own account of what is wrong with the model
+            raise EngineError(error.message, code=error.code) from None
         raise EngineError(f"The local model failed to load ({type(error).__name__}: {error}).") from error
 
     def _still_loading(self) -> EngineLoadingError:
@@ -206,6 +231,23 @@ class LocalBackend:
             for stream in streams:
                 await stream.aclose()
 
+    async def count_prompt_tokens(self, body: Json) -> int:
+        """The prompt tokens of a chat-completions `body` here: rendered with the model's chat template (tools
+        included) and tokenized, off the event loop after the same size check as a request; what the request's
+        `usage.prompt_tokens` would say. Waits for a loading model like a request does."""
+        engine = await self._ready()
+        tokenizer = engine.engine.tokenizer
+        if tokenizer is None:
+            raise EngineError("This local model has no tokenizer; it cannot count tokens.")
+        _check_prompt_size(body, True, _max_prompt_chars(tokenizer, engine.engine.max_model_len))
+        [ids] = await asyncio.to_thread(_chat_prompt, tokenizer, body)
+        return len(ids)
+
+    def output_limits(self) -> OutputLimits:
+        """The engine's context length (None while the model loads), the clamp and the default output limit."""
+        context_length = self._engine.engine.max_model_len if self._engine is not None else None
+        return OutputLimits(context_length, self.clamp_max_tokens, self.default_max_tokens)
+
     async def check_health(self) -> bool:
         return self.health_state() == "up"
 
@@ -276,12 +318,40 @@ class LocalBackend:
         """(worker thread) The prompts' token ids, checked against the engine's limits."""
         tokenizer = engine.engine.tokenizer
         prompts = _chat_prompt(tokenizer, body) if is_chat else _text_prompts(tokenizer, body)
+        params, clamped = self._fit_output(engine.engine.max_model_len, prompts, params)
         try:
             for ids in prompts:
                 engine.validate(ids, params)
         except ValueError as exc:
             raise _invalid(exc, "chat/completions" if is_chat else "completions") from None
-        return _Request(is_chat, prompts, params, body, self.model_id, prompt_texts=_prompt_texts(tokenizer, body))
+        prompt_texts = _prompt_texts(tokenizer, body)
+        return _Request(is_chat, prompts, params, body, self.model_id, prompt_texts=prompt_texts, clamped=clamped)
+
+    def _fit_output(
+        self, max_model_len: int, prompts: list[list[int]], params: SamplingParams
+    ) -> tuple[SamplingParams, tuple[int, int] | None]:
+        """The output limit to run with: the client's, lowered to the room the longest prompt leaves in the context
+        when clamping is on (then also returned as `(requested, served)`); else `default_max_tokens`, within that
+        room. A prompt that leaves no room is left for the engine to refuse."""
+        room = max_model_len - max((len(ids) for ids in prompts), default=0)
+        requested = params.max_tokens
+        if room < 1:
+            return params, None
+        if requested is None:
+            if self.default_max_tokens is None:
+                return params, None
+            served = min(max(self.default_max_tokens, params.min_tokens), room)
+            return replace(params, max_tokens=served, min_tokens=min(params.min_tokens, served)), None
+        if not self.clamp_max_tokens or requested <= room:
+            return params, None
+        logger.debug(
+            "max_tokens clamped %d -> %d: the prompt has %d tokens of this model's %d",
+            requested,
+            room,
+            max_model_len - room,
+            max_model_len,
+        )
+        return replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room)), (requested, room)
 
 
 class _Usage:
@@ -320,6 +390,7 @@ class _Request:
         model_id: str,
         *,
         prompt_texts: list[str] | None,
+        clamped: tuple[int, int] | None = None,
     ) -> None:
         self.is_chat = is_chat
         self.prompts = prompts
@@ -331,6 +402,7 @@ class _Request:
         self.echo = bool(body.get("echo")) and not is_chat
         self.prompt_texts = prompt_texts or []
         self.tool_names = tool_names(body) if is_chat else None  # None: leave the text alone
+        self.clamped = clamped  # (requested, served) max_tokens when lowered to fit; reported once
         self._tool_streams: dict[int, ToolCallStream] = {}
 
     @property
@@ -391,7 +463,7 @@ class _Request:
         }
 
     def response(self, choices: list[Json], usage: Json, request_id: str) -> Json:
-        return {
+        response: Json = {
             "id": f"{self.object_prefix}-{request_id}",
             "object": "chat.completion" if self.is_chat else "text_completion",
             "created": self.created,
@@ -399,6 +471,14 @@ class _Request:
             "choices": choices,
             "usage": usage,
         }
+        return self._with_clamp(response)
+
+    def _with_clamp(self, data: Json) -> Json:
+        """The first response or chunk says whether max_tokens was lowered (the gateway makes it a header)."""
+        if self.clamped is not None:
+            data[MAX_TOKENS_CLAMPED_KEY] = list(self.clamped)
+            self.clamped = None
+        return data
 
     def chunk(self, request_id: str, choices: list[Json], usage: Json | None = None) -> Json:
         chunk: Json = {
@@ -410,7 +490,12 @@ class _Request:
         }
         if self.include_usage:
             chunk["usage"] = usage
-        return chunk
+        return self._with_clamp(chunk)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 # -- request parsing ----------------------------------------------------------------------------------------------
@@ -418,11 +503,11 @@ class _Request:
 
 def _invalid(exc: ValueError, endpoint: Endpoint) -> InvalidRequestError:
     """The engine's refusals (`local_engine.errors.InvalidParamError`, which names the field) as 400s."""
-    from local_engine.errors import InvalidParamError, PromptTooLongError
-
     prompt_param = "messages" if endpoint == "chat/completions" else "prompt"
     if isinstance(exc, PromptTooLongError):
         return InvalidRequestError(str(exc), code="context_length_exceeded", param=prompt_param)
+    if isinstance(exc, InvalidParamError) and exc.code is not None:
+        return InvalidRequestError(str(exc), code=exc.code, param=exc.param)
     param = (exc.param or prompt_param) if isinstance(exc, InvalidParamError) else None
     return InvalidRequestError(f"Invalid request for the local engine: {exc}.", param=param)
 
@@ -492,8 +577,13 @@ def _chat_prompt(tokenizer: Any, body: Json) -> list[list[int]]:
     tools = body.get("tools") or None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise InvalidRequestError("`tools` must be a list of tool objects.", param="tools")
+    rendered = [_message_text(m) for m in messages]
+    if not tokenizer.renders_tool_calls:
+        rendered = plain_tool_messages(rendered)
     try:
-        ids = tokenizer.apply_chat_template([_message_text(m) for m in messages], tools=tools)
+        ids = tokenizer.apply_chat_template(rendered, tools=tools)
+    except InvalidParamError as exc:  # the template's own refusal (e.g. roles out of order)
+        raise _invalid(exc, "chat/completions") from None
     except (RecursionError, TypeError, ValueError) as exc:
         # The chat template renders what the caller sent: a value nested hundreds deep or of a type the template
         # cannot print is the caller's 400, never the engine's 500.

@@ -380,8 +380,8 @@ class OpenAIBackend:
 
     def _timeout_error(self) -> UpstreamTimeoutError:
         return UpstreamTimeoutError(
-            f"The upstream of deployment {self.name!r} did not answer within its timeout "
-            f"({self.timeout_s:g} s total). Retry, or raise the deployment's timeout_s."
+            f"The upstream of deployment {self.name!r} did not answer within its timeout_s of {self.timeout_s:g} s, "
+            "counted from when the gateway sent it the request. Retry, or raise the deployment's timeout_s."
         )
 
     def _upstream_message(self, data: Any) -> str:

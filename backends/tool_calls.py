@@ -14,6 +14,10 @@ that merely talks about JSON is never turned into a broken call. Streaming passe
 marker (or, before any content, a leading `{`/`[`) may begin, then holds the rest and emits the calls whole at
 the end — arguments are not streamed piece by piece. `tool_choice: "none"` turns parsing off; "required" or a
 named function cannot be enforced on a local model (no constrained decoding), so they parse like "auto".
+
+The way back: a chat template that writes tool calls itself gets the conversation as it is; for one that does not
+(SmolLM2's prints each message's role and content only) `plain_tool_messages` writes earlier calls and their results
+as text in the Hermes format above.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ParsedToolCalls", "ToolCallStream", "parse_tool_calls", "tool_names"]
+__all__ = ["ParsedToolCalls", "ToolCallStream", "parse_tool_calls", "plain_tool_messages", "tool_names"]
 
 _TAGGED = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
@@ -148,3 +152,52 @@ class ToolCallStream:
             if parsed is not None:
                 return parsed.content or "", parsed.calls
         return rest, []
+
+
+def plain_tool_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages (text contents) for a chat template that knows no tools: an assistant's `tool_calls` become
+    `<tool_call>` blocks after its text, the format the model's own calls are read in; each `tool` message becomes a
+    `<tool_response>` block in a user turn, shared by consecutive results and the user text right after them (one
+    Anthropic user turn stays one turn, and roles still alternate). Ids are left out and nothing varies between
+    calls, so each turn of a conversation renders the previous turn's prompt again, byte for byte."""
+    result: list[dict[str, Any]] = []
+    results_turn: dict[str, Any] | None = None  # the user turn holding the latest tool results, while it is open
+    for message in messages:
+        role = message.get("role")
+        content = message.get("content") or ""
+        if role == "tool":
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if results_turn is None:
+                results_turn = {"role": "user", "content": block}
+                result.append(results_turn)
+            else:
+                results_turn["content"] += "\n" + block
+            continue
+        if role == "user" and results_turn is not None:
+            if content:
+                results_turn["content"] += "\n" + content
+            results_turn = None
+            continue
+        results_turn = None
+        if role == "assistant":
+            parts = [content] if content else []
+            parts += [_call_text(call) for call in message.get("tool_calls") or [] if isinstance(call, dict)]
+            kept = {key: value for key, value in message.items() if key != "tool_calls"}
+            result.append({**kept, "content": "\n".join(parts)})
+        else:
+            result.append({**message, "content": content})
+    return result
+
+
+def _call_text(call: dict[str, Any]) -> str:
+    function = call.get("function")
+    if not isinstance(function, dict):
+        function = {}
+    arguments: Any = function.get("arguments") or {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass  # shown as the string it is
+    text = json.dumps({"name": function.get("name", ""), "arguments": arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{text}\n</tool_call>"

@@ -74,6 +74,7 @@ def bench(
     """Measure latency and throughput of any OpenAI-compatible endpoint, level by level."""
     if ctx.invoked_subcommand is not None:
         return
+    from bench import loop
     from bench.report import levels_table, write_csv, write_json, write_plot
     from bench.runner import BenchConfig, BenchError, run_bench
     from bench.stats import parse_slo
@@ -113,7 +114,7 @@ def bench(
     )
     console = _console()
     try:
-        run = asyncio.run(run_bench(config, workload, slo_targets, console))
+        run = loop.run(run_bench(config, workload, slo_targets, console))
     except BenchError as exc:
         console.print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(1) from None

@@ -1,8 +1,16 @@
-"""The measuring client: one asyncio process, one pooled httpx client, monotonic clocks, streamed chat completions.
+"""The measuring client: one asyncio process, monotonic clocks, streamed chat completions.
 
 Per request: TTFT = first chunk carrying content; ITL = every gap between content chunks; E2E = until `[DONE]`;
 output tokens from the final `usage` chunk (`stream_options.include_usage`), else the number of content chunks.
 Failures are recorded by the gateway's envelope `code` (or `http_<status>` / a transport name), never raised.
+
+Where the times come from: the streams go over `bench.http_stream`, which takes `time.perf_counter()` first thing
+in the event loop's `data_received` callback for every socket read, then strips the HTTP framing and keeps
+`(time, body bytes)`. The clock starts just before the request's connection is taken from the pool (its bytes are
+encoded before that); a chunk's time is that of the read that completed its SSE event; E2E ends at the read that
+carried `[DONE]`. SSE decoding and JSON parsing run later, in the request's own task (woken when the body ends or
+every 4 reads), and cannot shift those times. Metadata requests (`/models`, `/version`, `/metrics`) are not timed
+and go over an ordinary httpx client (`http`).
 """
 
 from __future__ import annotations
@@ -15,8 +23,16 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import orjson
 
+from bench.http_stream import (
+    ConnectError,
+    HttpStreamError,
+    StreamBrokenError,
+    StreamPool,
+    StreamResponse,
+    StreamTimeoutError,
+)
 from bench.workload import BenchRequest
-from gateway.sse import SSEDataLines
+from gateway.sse import SSEDecoder
 
 __all__ = ["BenchClient", "ProbeResult", "RequestResult", "error_code_of", "server_root"]
 
@@ -92,6 +108,13 @@ class BenchClient:
         self.is_ignore_eos_sent = True
         self.is_usage_requested = True
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._streams = StreamPool(
+            self.base_url,
+            max_connections=max_connections,
+            timeout_s=timeout_s,
+            connect_timeout_s=min(timeout_s, 10.0),
+            headers=headers,
+        )
         self._http = httpx.AsyncClient(
             headers=headers,
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
@@ -102,10 +125,12 @@ class BenchClient:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        await self._streams.aclose()
         await self._http.aclose()
 
     @property
     def http(self) -> httpx.AsyncClient:
+        """For untimed requests (metadata, /metrics)."""
         return self._http
 
     def _body(self, request: BenchRequest) -> dict[str, Any]:
@@ -124,64 +149,27 @@ class BenchClient:
         return body
 
     async def send(self, request: BenchRequest) -> RequestResult:
+        data = self._streams.encode("POST", "/chat/completions", orjson.dumps(self._body(request)))
         started = time.perf_counter()
         result = RequestResult(started_at=started, e2e_s=0.0, num_prompt_tokens=request.num_prompt_tokens)
+        ended_at: float | None = None
         try:
-            async with self._http.stream(
-                "POST",
-                f"{self.base_url}/chat/completions",
-                content=orjson.dumps(self._body(request)),
-                headers={"Content-Type": "application/json"},
-            ) as response:
+            async with self._streams.request(data) as response:
                 result.status_code = response.status_code
                 if response.status_code != 200:
-                    result.error_code = error_code_of(response.status_code, await response.aread())
+                    result.error_code = error_code_of(response.status_code, await response.read())
                 else:
-                    await self._read_stream(response, result, started)
-        except httpx.TimeoutException:
+                    ended_at = await _read_stream(response, result, started)
+        except StreamTimeoutError:
             result.error_code = "timeout"
-        except httpx.ConnectError:
+        except ConnectError:
             result.error_code = "connection_error"
-        except (httpx.RemoteProtocolError, httpx.ReadError):
+        except StreamBrokenError:
             result.error_code = "stream_broken"
-        except httpx.HTTPError:
+        except HttpStreamError:
             result.error_code = "http_error"
-        result.e2e_s = time.perf_counter() - started
+        result.e2e_s = (ended_at if ended_at is not None else time.perf_counter()) - started
         return result
-
-    async def _read_stream(self, response: httpx.Response, result: RequestResult, started: float) -> None:
-        last_token_at: float | None = None
-        num_chunks = 0
-        stream = SSEDataLines(response.aiter_lines())
-        async for data in stream:
-            now = time.perf_counter()
-            try:
-                chunk = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                result.error_code = "malformed_chunk"
-                return
-            if "error" in chunk:
-                result.error_code = error_code_of(500, data.encode())
-                return
-            if _has_content(chunk):
-                num_chunks += 1
-                if last_token_at is None:
-                    result.ttft_s = now - started
-                else:
-                    result.itl_s.append(now - last_token_at)
-                last_token_at = now
-            usage = chunk.get("usage")
-            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                result.num_output_tokens = usage["completion_tokens"]
-                result.is_usage_reported = True
-                if isinstance(usage.get("prompt_tokens"), int):
-                    result.num_prompt_tokens = usage["prompt_tokens"]
-        if not result.is_usage_reported:
-            result.num_output_tokens = num_chunks
-        if not stream.is_done:
-            result.error_code = "stream_incomplete"
-        elif result.ttft_s is None:
-            result.error_code = "no_content"
 
     async def probe(self) -> ProbeResult:
         """One tiny request; drop `ignore_eos` / `stream_options` if the server rejects them (hosted APIs do)."""
@@ -223,6 +211,76 @@ class BenchClient:
         except (httpx.HTTPError, ValueError):
             pass
         return info
+
+
+class _DataEvents:
+    """The `data` payloads in a stream's body pieces. A piece holding exactly one `data:` line and its blank line
+    (the usual case) is cut out directly; anything else goes through the gateway's full SSE decoder."""
+
+    __slots__ = ("_decoder", "_is_clean")
+
+    def __init__(self) -> None:
+        self._decoder = SSEDecoder()
+        self._is_clean = True  # the decoder holds no partial line or event
+
+    def feed(self, body: bytes) -> list[bytes]:
+        if self._is_clean and body.startswith(b"data:") and body.find(b"\n") == len(body) - 2 and body[-1] == 10:
+            data = body[5:-2]
+            return [data[1:] if data[:1] == b" " else data]
+        self._is_clean = body.endswith(b"\n\n")
+        return [data for _, data in self._decoder.feed(body)]
+
+
+async def _read_stream(response: StreamResponse, result: RequestResult, started: float) -> float | None:
+    """Fill `result` from the stream; the time `[DONE]` arrived, or None if it never did."""
+    events = _DataEvents()
+    last_token_at: float | None = None
+    num_chunks = 0
+    while reads := await response.body_reads():
+        for at, body in reads:
+            for data in events.feed(body):
+                if data.strip() == b"[DONE]":
+                    _end_of_stream(result, num_chunks, is_done=True)
+                    return at
+                try:
+                    chunk = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    result.error_code = "malformed_chunk"
+                    return None
+                if not isinstance(chunk, dict):
+                    result.error_code = "malformed_chunk"
+                    return None
+                if "error" in chunk:
+                    result.error_code = error_code_of(500, data)
+                    return None
+                if _has_content(chunk):
+                    num_chunks += 1
+                    if last_token_at is None:
+                        result.ttft_s = at - started
+                    else:
+                        result.itl_s.append(at - last_token_at)
+                    last_token_at = at
+                _read_usage(chunk, result)
+    _end_of_stream(result, num_chunks, is_done=False)
+    return None
+
+
+def _read_usage(chunk: dict[str, Any], result: RequestResult) -> None:
+    usage = chunk.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        result.num_output_tokens = usage["completion_tokens"]
+        result.is_usage_reported = True
+        if isinstance(usage.get("prompt_tokens"), int):
+            result.num_prompt_tokens = usage["prompt_tokens"]
+
+
+def _end_of_stream(result: RequestResult, num_chunks: int, *, is_done: bool) -> None:
+    if not result.is_usage_reported:
+        result.num_output_tokens = num_chunks
+    if not is_done:
+        result.error_code = "stream_incomplete"
+    elif result.ttft_s is None:
+        result.error_code = "no_content"
 
 
 def _has_content(chunk: dict[str, Any]) -> bool:

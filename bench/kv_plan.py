@@ -152,21 +152,42 @@ def _estimate_params(cfg: dict[str, Any], head_dim: int, num_heads: int, num_kv_
     return int(embeddings + cfg["num_hidden_layers"] * per_layer + hidden)
 
 
-def _safetensors_params(folder: Path) -> tuple[int, int] | None:
-    """(parameters, bytes) summed over the `*.safetensors` headers in a folder; None if there are none."""
+_PACKED_DTYPES = frozenset({"U8", "I8"})  # raw bytes: quantised blocks, not one parameter per element
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+@dataclass(frozen=True, slots=True)
+class _Counted:
+    num_params: int
+    num_bytes: int
+    dtype: str  # the dtype(s) the counted tensors are stored in, e.g. "float32"
+
+
+def _safetensors_params(folder: Path) -> _Counted | None:
+    """Parameters and bytes over the `*.safetensors` headers in a folder; None if there are none.
+
+    A tensor name stored twice (unigate's weights cache keeps a GGUF's quantised blocks as raw bytes beside the
+    dequantised weights, under the same names) counts once, as its unpacked copy."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         return None
-    num_params = num_bytes = 0
+    tensors: dict[str, dict[str, Any]] = {}
     for file in files:
         with file.open("rb") as handle:
             (header_len,) = struct.unpack("<Q", handle.read(8))
             header = json.loads(handle.read(header_len))
         for name, tensor in header.items():
-            if name != "__metadata__":
-                num_params += math.prod(tensor["shape"])
-                num_bytes += tensor["data_offsets"][1] - tensor["data_offsets"][0]
-    return num_params, num_bytes
+            if name == "__metadata__":
+                continue
+            seen = tensors.get(name)
+            if seen is None or (seen["dtype"] in _PACKED_DTYPES and tensor["dtype"] not in _PACKED_DTYPES):
+                tensors[name] = tensor
+    dtypes = sorted({str(t["dtype"]) for t in tensors.values()})
+    return _Counted(
+        num_params=sum(math.prod(t["shape"]) for t in tensors.values()),
+        num_bytes=sum(t["data_offsets"][1] - t["data_offsets"][0] for t in tensors.values()),
+        dtype="+".join(_SAFETENSORS_DTYPES.get(d, d.lower()) for d in dtypes),
+    )
 
 
 def from_hf_config(path: Path) -> ModelShape:
@@ -181,7 +202,7 @@ def from_hf_config(path: Path) -> ModelShape:
     num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)
     counted = _safetensors_params(config_path.parent)
-    num_params = counted[0] if counted else _estimate_params(cfg, head_dim, num_heads, num_kv_heads)
+    num_params = counted.num_params if counted else _estimate_params(cfg, head_dim, num_heads, num_kv_heads)
     return ModelShape(
         name=str(raw.get("_name_or_path") or cfg.get("model_type") or config_path.parent.name),
         source=str(config_path),
@@ -192,8 +213,8 @@ def from_hf_config(path: Path) -> ModelShape:
         head_dim=head_dim,
         num_params=num_params,
         is_num_params_estimated=counted is None,
-        weights_bytes_stored=counted[1] if counted else None,
-        stored_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        weights_bytes_stored=counted.num_bytes if counted else None,
+        stored_dtype=raw.get("torch_dtype") or raw.get("dtype") or (counted.dtype if counted else None),
         max_context=cfg.get("max_position_embeddings"),
     )
 
@@ -301,7 +322,8 @@ def render(kv: KvPlan) -> list[str]:
         f"head dim {s.head_dim}" + (f", max context {s.max_context}" if s.max_context else ""),
     ]
     if kv.weights_dtype == "file" and kv.weights_bytes is not None:
-        lines.append(f"weights    as stored ({s.stored_dtype}) = {format_bytes(kv.weights_bytes)}")
+        stored = f" ({s.stored_dtype})" if s.stored_dtype else ""
+        lines.append(f"weights    as stored{stored} = {format_bytes(kv.weights_bytes)}")
     elif kv.weights_bytes is not None and s.num_params is not None:
         approx = "≈ " if s.is_num_params_estimated else ""
         lines.append(
@@ -309,9 +331,8 @@ def render(kv: KvPlan) -> list[str]:
             f"({kv.weights_dtype}) = {format_bytes(kv.weights_bytes)}"
         )
         if s.weights_bytes_stored is not None:
-            lines.append(
-                f"           (as stored in the file, {s.stored_dtype}: {format_bytes(s.weights_bytes_stored)})"
-            )
+            stored = f", {s.stored_dtype}" if s.stored_dtype else ""
+            lines.append(f"           (as stored in the file{stored}: {format_bytes(s.weights_bytes_stored)})")
     else:
         lines.append("weights    unknown: pass --params (e.g. 7B) to count them")
     lines.append(

@@ -6,6 +6,7 @@ level), `slo_result`, plus `saturation` and `warnings`.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import platform
 import subprocess
@@ -102,6 +103,7 @@ def environment(server: dict[str, Any], config: BenchConfig, probe: dict[str, An
         "python": sys.version.split()[0],
         "num_cpus": os.cpu_count(),
         "started_at": started_at,
+        "client_event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],  # uvloop | asyncio
     }
 
 

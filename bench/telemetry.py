@@ -1,7 +1,8 @@
 """Server-side telemetry around each level: Prometheus /metrics before and after, nvidia-smi sampling during.
 
 Only the series that explain a latency change are kept (KV-cache usage, preemptions, queue lengths, running
-requests) — ours (`unigate_*`) and vLLM's (`vllm:*`) alike. Anything missing is recorded as "not available".
+requests) — ours (`unigate_*`) and vLLM's (`vllm:*`) alike. Anything missing is recorded as "not available";
+a /metrics page without any such series as `NONE_EXPORTED`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.client import server_root
 
-__all__ = ["NOT_AVAILABLE", "GpuSampler", "interesting_samples", "metrics_delta", "scrape_metrics"]
+__all__ = ["NONE_EXPORTED", "NOT_AVAILABLE", "GpuSampler", "interesting_samples", "metrics_delta", "scrape_metrics"]
 
 NOT_AVAILABLE = "not available"
+NONE_EXPORTED = "none exported: the target's /metrics has no KV-cache, queue, preemption or running-request series"
 _INTERESTING = ("kv", "cache_usage", "preempt", "queue", "waiting", "running", "swapped", "num_requests", "prefix")
 
 
@@ -48,6 +50,8 @@ async def scrape_metrics(http: httpx.AsyncClient, base_url: str) -> dict[str, fl
 def metrics_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | str:
     if before is None or after is None:
         return NOT_AVAILABLE
+    if not before and not after:
+        return NONE_EXPORTED
     return {
         name: {"before": before.get(name), "after": value, "delta": value - before.get(name, 0.0)}
         for name, value in sorted(after.items())

@@ -15,10 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from auth.access import RedisAccess
+from auth.access import AccessConfig, RedisAccess
 from auth.redis_client import EmbeddedRedis, connect
 from auth.store import KeyStore
-from gateway.settings import Settings
 
 MASTER_KEY = "sk-ug-bench-master"
 
@@ -61,8 +60,7 @@ async def main(num_requests: int, concurrency: int) -> None:
         url = server.start()
         try:
             redis = connect(url)
-            settings = Settings(_env_file=None, data_dir=Path(data_dir))  # type: ignore[call-arg]
-            access = RedisAccess(redis, settings=settings, master_key=MASTER_KEY)
+            access = RedisAccess(redis, config=AccessConfig(), master_key=MASTER_KEY)
             await access.start()
             limits = {"rpm": 10**9, "tpm": 10**12, "max_concurrent": 10**6, "token_budget": 10**15}
             _, secret = await KeyStore(redis).create(limits)

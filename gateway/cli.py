@@ -64,8 +64,8 @@ def engine_serve(
 
 
 def _register_command_groups() -> None:
-    from auth.cli import register as register_keys
     from bench.cli import register as register_bench
+    from gateway.keys_cli import register as register_keys
 
     register_keys(app)  # unigate keys create|list|show|update|rotate|revoke|usage
     register_bench(app)  # unigate bench [compare], doctor, kv-plan

@@ -50,6 +50,7 @@ class Diagnosis:
     verified_base_url: str | None = None  # the working base URL (with /v1), once a chat completion succeeded
     checks: list[Check] = field(default_factory=list)
     models: list[str] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)  # alias -> the listed model id it names
 
     @property
     def is_ok(self) -> bool:
@@ -185,15 +186,22 @@ def _explain(response: httpx.Response, key: str, diagnosis: Diagnosis) -> tuple[
 def _check_model_listed(diagnosis: Diagnosis, response: httpx.Response) -> None:
     try:
         data = response.json().get("data", [])
-        diagnosis.models = [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
-    except (ValueError, AttributeError):
+        listed = [m for m in data if isinstance(m, dict) and "id" in m]
+    except (ValueError, AttributeError, TypeError):
         diagnosis.add("models", CheckStatus.WARN, 'GET /models did not return the usual {"data": [...]} list')
         return
+    diagnosis.models = [str(m["id"]) for m in listed]
+    diagnosis.aliases = _aliases(listed)
     diagnosis.add("API key", CheckStatus.OK, "accepted")
     if diagnosis.model in diagnosis.models:
         diagnosis.add("model", CheckStatus.OK, f"`{diagnosis.model}` is listed ({len(diagnosis.models)} models)")
         return
-    close = difflib.get_close_matches(diagnosis.model, diagnosis.models, n=1)
+    if diagnosis.model in diagnosis.aliases:
+        diagnosis.add(
+            "model", CheckStatus.OK, f"`{diagnosis.model}` is an alias of `{diagnosis.aliases[diagnosis.model]}`"
+        )
+        return
+    close = difflib.get_close_matches(diagnosis.model, [*diagnosis.models, *diagnosis.aliases], n=1)
     hint = f" Did you mean `{close[0]}`?" if close else ""
     diagnosis.add(
         "model",
@@ -201,6 +209,16 @@ def _check_model_listed(diagnosis: Diagnosis, response: httpx.Response) -> None:
         f"`{diagnosis.model}` is not in the model list ({', '.join(diagnosis.models[:20]) or 'empty'}).{hint}"
         " The chat request below decides whether it is served.",
     )
+
+
+def _aliases(listed: list[dict[str, Any]]) -> dict[str, str]:
+    """alias -> model id, from the `aliases` lists unigate adds to its model objects (other servers have none)."""
+    aliases: dict[str, str] = {}
+    for model in listed:
+        names = model.get("aliases")
+        if isinstance(names, list):
+            aliases.update((str(name), str(model["id"])) for name in names)
+    return aliases
 
 
 def _chat_body(model: str, *, stream: bool) -> bytes:

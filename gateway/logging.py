@@ -15,7 +15,9 @@ __all__ = ["JsonFormatter", "configure_logging", "request_id_var"]
 # Set by the request-id middleware for the duration of a request, so every log line can carry it.
 request_id_var: ContextVar[str | None] = ContextVar("unigate_request_id", default=None)
 
-_STANDARD_ATTRS = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "request_id"}
+# Not copied into JSON lines: the record's own attributes, and uvicorn's `color_message` (its message again,
+# with ANSI colour escapes for a terminal).
+_STANDARD_ATTRS = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "request_id", "color_message"}
 
 
 class _RequestIdFilter(logging.Filter):

@@ -29,9 +29,16 @@ from starlette.requests import Request
 from auth.base import AccessControl, Admission, UpstreamLease, extract_credential
 from backends.base import Endpoint, Json
 from gateway.disconnect import unless_disconnected
-from gateway.errors import GatewayError, InvalidRequestError
+from gateway.errors import GatewayError, InvalidRequestError, UpstreamTimeoutError
 from gateway.metrics import GatewayMetrics
 from gateway.normalize import malformed, normalize_chunk, normalize_response
+from gateway.output_limits import (
+    CLAMP_HEADER,
+    clamp_for_upstream,
+    clamp_header_value,
+    reserved_output_tokens,
+    take_backend_clamp,
+)
 from gateway.router import Deployment, Router, Target
 from gateway.routing_config import PricingConfig
 from gateway.settings import Settings
@@ -43,6 +50,7 @@ logger = logging.getLogger("unigate.pipeline")
 _USAGE_ENDPOINTS = ("chat/completions", "completions")
 _CHARS_PER_TOKEN = 4
 _IMAGE_CHARS = 765 * _CHARS_PER_TOKEN  # a typical image's prompt cost, so base64 bytes are not counted as text
+_MIN_REPORTED_WAIT_S = 0.05  # a shorter wait for an upstream slot is not worth a sentence in a 504's message
 
 
 async def open_call(request: Request, *, endpoint: Endpoint, body: Json, model: str, stream: bool) -> Call:
@@ -60,8 +68,14 @@ async def open_call(request: Request, *, endpoint: Endpoint, body: Json, model: 
     num_prompt_tokens = estimate_prompt_tokens(endpoint, body)
     num_max_tokens = 0
     if endpoint != "embeddings":
-        # Every one of n choices may use max_tokens.
-        num_max_tokens = (_max_tokens(body) or settings.limits.default_max_tokens) * _num_choices(body)
+        # Every one of n choices may use max_tokens (as far as the context lets it: gateway/output_limits.py).
+        per_choice = reserved_output_tokens(
+            target.route.deployments,
+            body,
+            num_prompt_tokens=num_prompt_tokens,
+            fallback=settings.limits.default_max_tokens,
+        )
+        num_max_tokens = per_choice * _num_choices(body)
     admission = await access.admit(
         credential,
         model=target.model_id,
@@ -233,16 +247,23 @@ class Call:
 
     async def _send_attempt(self, deployment: Deployment, target: Target) -> Json:
         body = self._upstream_body(deployment, target, stream=False)
+        clamped = clamp_for_upstream(deployment, body)
+        slot_wait_started = time.perf_counter()
         lease = await self._acquire(deployment)
+        slot_wait_s = time.perf_counter() - slot_wait_started
         deployment.num_in_flight += 1
         started = time.perf_counter()
         outcome = "error"
         try:
             # A long generation: stop it (the lease is released below) if the client goes away meanwhile.
             data = await unless_disconnected(deployment.backend.send(self.endpoint, body, request_id=self.request_id))
+            self._note_clamp(take_backend_clamp(data) if isinstance(data, dict) else None, clamped)
             data = normalize_response(self.endpoint, data)
             outcome = "ok"
             return data
+        except UpstreamTimeoutError as error:
+            _add_slot_wait(error, slot_wait_s)
+            raise
         finally:
             deployment.num_in_flight -= 1
             self.metrics.observe_upstream(deployment.name, outcome, time.perf_counter() - started)
@@ -250,7 +271,10 @@ class Call:
 
     async def _stream_attempt(self, deployment: Deployment, target: Target) -> tuple[AsyncIterator[Json], Json]:
         body = self._upstream_body(deployment, target, stream=True)
+        clamped = clamp_for_upstream(deployment, body)
+        slot_wait_started = time.perf_counter()
         lease = await self._acquire(deployment)
+        slot_wait_s = time.perf_counter() - slot_wait_started
         deployment.num_in_flight += 1
         started = time.perf_counter()
         upstream = deployment.backend.stream(self.endpoint, body, request_id=self.request_id)
@@ -259,8 +283,11 @@ class Call:
                 first = await anext(upstream)
             except StopAsyncIteration:
                 raise malformed("the stream ended before its first chunk") from None
+            self._note_clamp(take_backend_clamp(first) if isinstance(first, dict) else None, clamped)
             first = normalize_chunk(self.endpoint, first)
-        except BaseException:
+        except BaseException as error:
+            if isinstance(error, UpstreamTimeoutError):
+                _add_slot_wait(error, slot_wait_s)
             deployment.num_in_flight -= 1
             self.metrics.observe_upstream(deployment.name, "error", time.perf_counter() - started)
             aclose = getattr(upstream, "aclose", None)
@@ -271,6 +298,14 @@ class Call:
         self.metrics.observe_upstream(deployment.name, "ok", time.perf_counter() - started)
         self._deployment, self._lease = deployment, lease
         return upstream, first
+
+    def _note_clamp(self, *reports: tuple[int, int] | None) -> None:
+        """The clamp header of the attempt that answered: the backend's own report, else the gateway's clamp."""
+        clamped = next((report for report in reports if report is not None), None)
+        if clamped is None:
+            self.headers.pop(CLAMP_HEADER, None)
+        else:
+            self.headers[CLAMP_HEADER] = clamp_header_value(clamped)
 
     def _upstream_body(self, deployment: Deployment, target: Target, *, stream: bool) -> Json:
         if not deployment.backend.supports(self.endpoint):
@@ -366,6 +401,15 @@ class Call:
         return self.target.route.config.pricing
 
 
+def _add_slot_wait(error: UpstreamTimeoutError, slot_wait_s: float) -> None:
+    """A deployment's timeout counts from when the request is sent; a wait for one of its `max_in_flight` slots
+    came before that. Say how long, so the 504's message adds up to the time the client saw."""
+    if slot_wait_s >= _MIN_REPORTED_WAIT_S:
+        error.message += (
+            f" Before that, the request waited {slot_wait_s:.1f} s for a free slot of this deployment (max_in_flight)."
+        )
+
+
 def request_id_of(request: Request) -> str:
     state = request.scope.get("state") or {}
     request_id = state.get("request_id")
@@ -440,14 +484,6 @@ def _content_chars(content: Any) -> int:
                 elif isinstance(inner, list) and depth < _MAX_ESTIMATE_DEPTH:
                     stack.append((inner, depth + 1))
     return total
-
-
-def _max_tokens(body: Json) -> int:
-    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
-        value = body.get(name)
-        if isinstance(value, int):
-            return value
-    return 0
 
 
 def _wants_usage(body: Json) -> bool:

@@ -3,7 +3,9 @@
 Pick: among the deployments not cooling down, the one with the fewest in-flight requests per unit of weight
 (ties broken by weighted chance). Retries (connect errors, 429, 5xx) move to the next deployment of the same
 model with exponential backoff and jitter; when a model's attempts are spent the configured fallback models
-are tried in order. A deployment that fails `max_fails` times in a row (or answers 429) cools down; after a 429 for
+are tried in order. A deployment that is at capacity (no `max_in_flight` slot within its `pool_timeout`) is not
+tried again by the same request: that wait was already spent once, so only its other deployments and the
+fallbacks are tried. A deployment that fails `max_fails` times in a row (or answers 429) cools down; after a 429 for
 the upstream's Retry-After bounded by `max_retry_after_s` (`cooldown_s` when it sent none, or nothing usable).
 """
 
@@ -28,6 +30,8 @@ T = TypeVar("T")
 
 # Worth another attempt (on another deployment when there is one): the upstream may answer next time.
 _RETRIABLE = frozenset({"upstream_unreachable", "upstream_error", "upstream_rate_limited", "upstream_at_capacity"})
+# Worth another attempt on another deployment only: retrying the same one would wait its pool_timeout again.
+_NOT_AGAIN = frozenset({"upstream_at_capacity"})
 
 
 @dataclass(slots=True)
@@ -112,9 +116,20 @@ class Router:
         raise self.not_found(model, visible=visible)
 
     def not_found(self, model: str, *, visible: Callable[[str], bool] | None = None) -> NotFoundError:
-        names = [n for n in self.public_names() if visible is None or visible(n)]
-        matches = difflib.get_close_matches(model, names, n=3, cutoff=0.5)
-        hint = f" Did you mean {', '.join(repr(m) for m in matches)}?" if matches else ""
+        """404 `model_not_found` naming up to three close matches: model ids and aliases, and a wildcard as its
+        form (`'openai/<model>'`, matched on its prefix plus the rest of the request), never as a pattern."""
+        candidates: dict[str, str] = {}  # what is compared with `model` -> what the message shows
+        for name in self.public_names():
+            if visible is None or visible(name):
+                candidates.setdefault(name, repr(name))
+        for route in self._wildcards:
+            if visible is None or visible(route.id):
+                prefix = route.id[:-1]
+                rest = model.split("/", 1)[1] if "/" in prefix and "/" in model else model
+                candidates.setdefault(prefix + rest, f"'{prefix}<model>'")
+        matches = difflib.get_close_matches(model, list(candidates), n=3, cutoff=0.5)
+        shown = list(dict.fromkeys(candidates[m] for m in matches))
+        hint = f" Did you mean {', '.join(shown)}?" if shown else ""
         return NotFoundError(
             f"The model {model!r} does not exist on this gateway.{hint} GET /v1/models lists the models you can use.",
             code="model_not_found",
@@ -122,9 +137,11 @@ class Router:
         )
 
     def public_names(self) -> list[str]:
+        """Model ids and aliases a client can send as they are (wildcard patterns are not among them)."""
         names: list[str] = []
         for route in self.routes:
-            names.append(route.id)
+            if not route.config.is_wildcard:
+                names.append(route.id)
             names.extend(route.config.aliases)
         return names
 
@@ -133,8 +150,9 @@ class Router:
         last_error: GatewayError | None = None
         for current in self._chain(target):
             tried: set[str] = set()
+            spent: set[str] = set()  # deployments this request must not try again (see `_NOT_AGAIN`)
             for attempt_number in range(1 + self.config.num_retries):
-                deployment = self.pick(current.route, exclude=tried)
+                deployment = self.pick(current.route, exclude=tried, skip=spent)
                 if deployment is None:
                     last_error = last_error or self._all_cooling_error(current.route)
                     break
@@ -148,6 +166,8 @@ class Router:
                     last_error = error
                     if error.code not in _RETRIABLE:
                         break
+                    if error.code in _NOT_AGAIN:
+                        spent.add(deployment.name)
                     continue
                 self.record_success(deployment)
                 return result
@@ -156,10 +176,12 @@ class Router:
         assert last_error is not None  # the chain always holds `target`, which made at least one decision
         raise last_error
 
-    def pick(self, route: ModelRoute, *, exclude: Iterable[str] = ()) -> Deployment | None:
-        """Least in-flight per unit of weight among available deployments, preferring ones not yet tried."""
+    def pick(self, route: ModelRoute, *, exclude: Iterable[str] = (), skip: Iterable[str] = ()) -> Deployment | None:
+        """Least in-flight per unit of weight among available deployments, preferring ones not in `exclude`
+        (already tried) and never one in `skip`; None when none is left."""
         now = self._clock()
-        available = [d for d in route.deployments if d.cooldown_until <= now]
+        skipped = set(skip)
+        available = [d for d in route.deployments if d.cooldown_until <= now and d.name not in skipped]
         if not available:
             return None
         fresh = [d for d in available if d.name not in exclude] or available

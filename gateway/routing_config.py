@@ -15,10 +15,17 @@ models:
         max_in_flight: 20        # optional cluster-wide cap (Redis leases)
         pool_timeout: 5          # seconds to wait for one of those slots before 503
         pricing: {input_per_mtok: 0.15, output_per_mtok: 0.60}   # optional, overrides the model's
+        context_length: 128000   # optional: the upstream model's context; enables clamp_max_tokens (estimated)
+        clamp_max_tokens: true   # an output limit too big for the context is lowered, not refused (default:
+                                 # true for `type: local` and for upstreams with context_length)
     pricing:                     # optional: price per million tokens, charged to keys' spend (budget_usd)
       input_per_mtok: 0.15
       output_per_mtok: 0.60
       currency: USD
+  - id: local                    # the local engine (model_path: an HF directory or GGUF; default the bundled model)
+    deployments:
+      - type: local
+        default_max_tokens: 1024 # output limit when the client sends none (default: the engine setting)
   - id: openai/*                 # wildcard: forwards openai/<anything> as <anything>
     deployments: [{type: openai, base_url: ..., api_key: env:OPENAI_API_KEY}]
 fallbacks:
@@ -113,6 +120,14 @@ class DeploymentConfig(BaseModel):
     # the upstream key is shared by every tenant, so one could reference another's stored responses (SECURITY.md).
     allow_stored_responses: bool = False
     pricing: PricingConfig | None = None  # overrides the model's pricing for requests this deployment serves
+    # Output limits (docs/coding-agents.md). `context_length`: the upstream model's context in tokens (a local
+    # deployment knows its own). `clamp_max_tokens`: a max_tokens that does not fit next to the prompt is lowered to
+    # the room left instead of refused; None = on for `type: local` and for upstreams with a context_length.
+    # `default_max_tokens` (`type: local`): the output limit when the client sends none; None = the engine setting,
+    # 0 = none (until the context is full).
+    context_length: int | None = Field(default=None, ge=1)
+    clamp_max_tokens: bool | None = None
+    default_max_tokens: int | None = Field(default=None, ge=0)
 
     @field_validator("api_key")
     @classmethod
@@ -131,7 +146,24 @@ class DeploymentConfig(BaseModel):
             raise ValueError(f"a `type: {self.type}` deployment needs `base_url` (e.g. https://api.example.com/v1)")
         if self.type == "local" and self.base_url:
             raise ValueError("a `type: local` deployment takes `model_path`, not `base_url`")
+        if self.type == "local" and self.context_length is not None:
+            raise ValueError(
+                "a `type: local` deployment knows its context length; set UNIGATE_ENGINE__MAX_MODEL_LEN instead"
+            )
+        if self.type != "local" and self.default_max_tokens is not None:
+            raise ValueError("`default_max_tokens` applies to `type: local` deployments only; remove it")
+        if self.type != "local" and self.clamp_max_tokens and self.context_length is None:
+            raise ValueError(
+                "`clamp_max_tokens: true` needs the upstream model's `context_length` (e.g. context_length: 128000)"
+            )
         return self
+
+    @property
+    def clamps_max_tokens(self) -> bool:
+        """Whether an output limit too big for the context is lowered rather than refused (see the field)."""
+        if self.clamp_max_tokens is not None:
+            return self.clamp_max_tokens
+        return self.type == "local" or self.context_length is not None
 
     def upstream_model(self, requested: str) -> str:
         """The name sent upstream for a request that asked for `requested` (an id, alias or wildcard match)."""

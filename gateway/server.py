@@ -37,7 +37,7 @@ def build_app(settings: Settings) -> Starlette:
     """The production app one worker serves: Redis-backed keys and limits (the configured Redis, or the embedded
     redis-server under the data directory), the master key (generated on first start when not configured) and
     the admin API."""
-    from auth.access import RedisAccess
+    from auth.access import AccessConfig, RedisAccess
     from auth.master_key import resolve_master_key
     from auth.redis_client import RedisConnection
     from auth.store import KeyStore
@@ -45,8 +45,13 @@ def build_app(settings: Settings) -> Starlette:
 
     connection = RedisConnection(settings.redis_url, settings.data_dir, timeout_s=settings.limits.redis_timeout_s)
     redis = connection.start()
-    master_key = resolve_master_key(settings)
-    access = RedisAccess(redis, settings=settings, master_key=master_key)
+    master_key = resolve_master_key(_configured_master_key(settings), settings.data_dir)
+    config = AccessConfig(
+        failure_mode=settings.redis_failure_mode,
+        key_cache_ttl_s=settings.limits.key_cache_ttl_s,
+        lease_ttl_s=settings.limits.lease_ttl_s,
+    )
+    access = RedisAccess(redis, config=config, master_key=master_key)
     app = create_app(settings, access=access, extra_routes=admin_routes(), on_shutdown=[connection.stop])
     app.state.key_store = KeyStore(redis)
     app.state.master_key = master_key
@@ -93,7 +98,8 @@ def run(settings: Settings) -> None:
     configure_logging(settings.log_level, settings.log_format)
     # Resolve once in the parent so a generated master key is created and printed exactly once.
     if settings.master_key is None:
-        settings = settings.model_copy(update={"master_key": SecretStr(resolve_master_key(settings))})
+        key = resolve_master_key(_configured_master_key(settings), settings.data_dir)
+        settings = settings.model_copy(update={"master_key": SecretStr(key)})
     # Fail on a bad routing file here, with its message, before any worker starts.
     try:
         create_app(settings)
@@ -127,3 +133,7 @@ def _resolved(settings: Settings) -> dict[str, Any]:
     if settings.metrics_token is not None:
         data["metrics_token"] = settings.metrics_token.get_secret_value()
     return data
+
+
+def _configured_master_key(settings: Settings) -> str | None:
+    return settings.master_key.get_secret_value() if settings.master_key is not None else None

@@ -33,6 +33,9 @@ class EngineSettings(BaseModel):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
+    # The output limit of a request that sets none (Codex CLI sends none), so a turn ends in bounded time; a
+    # deployment's `default_max_tokens` overrides it. 0 = none: generate until EOS or the context is full.
+    default_max_tokens: int = Field(default=1024, ge=0)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # disable CUDA graphs
     pack_cpu_weights: bool = True  # CPU: oneDNN GEMMs on pre-packed weights (False: plain torch.nn.Linear)
@@ -47,7 +50,7 @@ class LimitSettings(BaseModel):
     key_cache_ttl_s: float = 5.0  # verified keys cached in-process this long (revocation still propagates in < 1 s)
     default_max_tokens: int = 1024  # completion-token reservation when a request sets no max_tokens
     lease_ttl_s: float = 600.0  # concurrency/upstream leases expire after this, so a crashed instance leaks nothing
-    redis_timeout_s: float = 2.0  # socket/connect timeout per Redis call: a dead Redis fails fast, never hangs
+    redis_timeout_s: float = 1.0  # socket/connect timeout per Redis call: a dead Redis fails fast, never hangs
     pool_timeout_s: float = 10.0  # how long a request waits for an upstream slot (max_in_flight) before 503
 
 

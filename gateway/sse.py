@@ -157,7 +157,8 @@ class EventStreamResponse(Response):
 
     - The events iterator raising a `GatewayError` (upstream broke, malformed chunk) → `error_tail(error)` is sent.
     - The client disconnecting → the iterator is cancelled and closed at once, so the upstream request stops.
-    - The server cancelling the task at the shutdown deadline → `error_tail(server_shutting_down)` is sent.
+    - The server cancelling the task at the shutdown deadline → `error_tail(server_shutting_down)` is sent and
+      the response ends normally (the cancellation is taken back), so the server logs no traceback for it.
     `on_close` (e.g. `Call.aclose`) runs in every case, after the iterator is closed.
     """
 
@@ -201,6 +202,8 @@ class EventStreamResponse(Response):
             with contextlib.suppress(Exception):
                 await send({"type": "http.response.body", "body": self.error_tail(error), "more_body": False})
             await _cancel(pump)
+            if _take_back_cancel():
+                return  # the response is complete; re-raising would only make uvicorn log a traceback for it
             raise
         finally:
             if not pump.done():  # the client went away first
@@ -243,6 +246,17 @@ async def _wait_for_disconnect(receive: Receive) -> None:
         message: Message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _take_back_cancel() -> bool:
+    """Consume the one cancellation this task received (uvicorn's, at the shutdown deadline) so the request ends
+    as the complete response it now is. False, consuming nothing, when more than one is pending: then something
+    else wants the task gone too, and the CancelledError must propagate."""
+    task = asyncio.current_task()
+    if task is None or task.cancelling() != 1:
+        return False
+    task.uncancel()
+    return True
 
 
 async def _cancel(task: asyncio.Future[None]) -> None:

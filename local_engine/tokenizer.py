@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from gateway.errors import EngineError, InvalidRequestError
+from local_engine.errors import CheckpointError, InvalidParamError
 
 __all__ = ["DIGIT_SPLIT_PRE_TOKENIZERS", "Tokenizer", "restore_digit_split", "restore_serialized_pipeline"]
 
@@ -53,7 +53,7 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         if not any((directory / name).is_file() for name in TOKENIZER_FILES):
-            raise EngineError(
+            raise CheckpointError(
                 f"No tokenizer in {directory}: it needs tokenizer.json (or tokenizer.model / vocab.json) and "
                 "tokenizer_config.json, as written by `tokenizer.save_pretrained(dir)`.",
                 code="tokenizer_not_found",
@@ -61,7 +61,7 @@ class Tokenizer:
         try:
             hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
-            raise EngineError(
+            raise CheckpointError(
                 f"No usable tokenizer in {directory} ({type(exc).__name__}: {exc}); the directory needs "
                 "tokenizer.json and tokenizer_config.json as written by `tokenizer.save_pretrained`.",
                 code="tokenizer_not_found",
@@ -84,7 +84,7 @@ class Tokenizer:
         try:
             hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
-            raise EngineError(
+            raise CheckpointError(
                 f"Cannot build a tokenizer from the metadata of {path} ({type(exc).__name__}: {exc}).",
                 code="tokenizer_not_found",
             ) from exc
@@ -105,6 +105,12 @@ class Tokenizer:
         """Above this many characters a text cannot fit `max_model_len` tokens, whatever it says: such a prompt
         is refused before it is tokenized (tokenizing megabytes takes seconds of CPU)."""
         return max_model_len * max(1, self.max_token_chars)
+
+    @functools.cached_property
+    def renders_tool_calls(self) -> bool:
+        """Whether the chat template writes tool calls itself (Qwen, Llama 3.1, Mistral, Hermes do; SmolLM2's prints
+        only each message's role and content, so callers render calls and results as text for it)."""
+        return "tool_calls" in str(self.hf.chat_template or "")
 
     def save_pretrained(self, directory: Path) -> None:
         self.hf.save_pretrained(str(directory))
@@ -128,16 +134,17 @@ class Tokenizer:
         import jinja2
 
         if not self.hf.chat_template:
-            raise InvalidRequestError(
+            raise InvalidParamError(
                 "This model has no chat template; send a plain prompt to /v1/completions instead.",
                 code="chat_template_missing",
+                param="messages",
             )
         try:
             text = self.hf.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except jinja2.TemplateError as exc:
-            raise InvalidRequestError(
+            raise InvalidParamError(
                 f"The model's chat template rejected these messages: {exc}", code="invalid_messages", param="messages"
             ) from exc
         return self.encode(str(text), add_special_tokens=False)

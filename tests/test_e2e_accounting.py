@@ -16,14 +16,11 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 from fakes.app import MASTER
+from fakes.instances import gateway_instances
 from fakes.server import ThreadedServer
 from fakes.upstream import PROMPT_TOKENS, FakeUpstream
 from redis.asyncio import Redis
-
-from gateway.server import build_app
-from gateway.settings import Settings
 
 ADMIN = {"authorization": f"Bearer {MASTER}"}
 COMPLETION_TOKENS = 3  # the fake's default num_chunks
@@ -53,30 +50,14 @@ def body(family: str, *, stream: bool, model: str = "gpt-test") -> tuple[str, di
 def gateways(
     redis_url: str, tmp_path: Path, fake_upstream: FakeUpstream
 ) -> Iterator[tuple[ThreadedServer, ThreadedServer]]:
-    routing = tmp_path / "unigate.yaml"
     deployment = {"type": "openai", "base_url": fake_upstream.base_url, "api_key": "sk-up"}
     pricing = {"input_per_mtok": 0.15, "output_per_mtok": 0.60, "currency": "USD"}
     models = [
         {"id": "gpt-test", "deployments": [deployment], "pricing": pricing},
         {"id": "unpriced", "deployments": [{**deployment, "name": "unpriced"}]},
     ]
-    routing.write_text(yaml.safe_dump({"models": models}))
-    servers = []
-    for name in ("a", "b"):
-        settings = Settings(
-            _env_file=None,  # type: ignore[call-arg]
-            config=routing,
-            master_key=MASTER,  # type: ignore[arg-type]
-            redis_url=redis_url,
-            data_dir=tmp_path / name,
-            engine={"enabled": False},  # type: ignore[arg-type]
-        )
-        servers.append(ThreadedServer(build_app(settings)).start())
-    try:
-        yield servers[0], servers[1]
-    finally:
-        for server in servers:
-            server.stop()
+    with gateway_instances(redis_url, tmp_path, models) as (a, b):
+        yield a, b
 
 
 async def create_key(client: httpx.AsyncClient, base_url: str, **fields: Any) -> tuple[str, dict[str, str]]:

@@ -14,13 +14,10 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 from fakes.app import MASTER
+from fakes.instances import gateway_instances
 from fakes.server import ThreadedServer
 from fakes.upstream import FakeUpstream
-
-from gateway.server import build_app
-from gateway.settings import Settings
 
 ADMIN = {"authorization": f"Bearer {MASTER}"}
 
@@ -33,34 +30,13 @@ def chat(model: str = "gpt-test") -> dict[str, Any]:
 def gateways(
     redis_url: str, tmp_path: Path, fake_upstream: FakeUpstream
 ) -> Iterator[tuple[ThreadedServer, ThreadedServer]]:
-    routing = tmp_path / "unigate.yaml"
     deployment = {"type": "openai", "base_url": fake_upstream.base_url, "api_key": "sk-up", "max_in_flight": 2}
-    routing.write_text(
-        yaml.safe_dump(
-            {
-                "models": [
-                    {"id": "gpt-test", "deployments": [{**deployment, "pool_timeout": 0.3}]},
-                    {"id": "other-model", "deployments": [{**deployment, "name": "other"}]},
-                ]
-            }
-        )
-    )
-    servers = []
-    for name in ("a", "b"):
-        settings = Settings(
-            _env_file=None,  # type: ignore[call-arg]
-            config=routing,
-            master_key=MASTER,  # type: ignore[arg-type]
-            redis_url=redis_url,
-            data_dir=tmp_path / name,
-            engine={"enabled": False},  # type: ignore[arg-type]
-        )
-        servers.append(ThreadedServer(build_app(settings)).start())
-    try:
-        yield servers[0], servers[1]
-    finally:
-        for server in servers:
-            server.stop()
+    models = [
+        {"id": "gpt-test", "deployments": [{**deployment, "pool_timeout": 0.3}]},
+        {"id": "other-model", "deployments": [{**deployment, "name": "other"}]},
+    ]
+    with gateway_instances(redis_url, tmp_path, models) as (a, b):
+        yield a, b
 
 
 async def create_key(base_url: str, **fields: Any) -> dict[str, Any]:

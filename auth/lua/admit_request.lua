@@ -19,7 +19,9 @@
 --           | "concurrency_limit_exceeded" | "rate_limit_exceeded" | "tokens_limit_exceeded"
 --   record: the record as a flat HGETALL list when ARGV[7] differs from its version, else {} (cache refresh)
 --   limits are -1 when the key has none; remaining counts are after this request (leases_remaining: concurrency
---   slots still free, -1 without a concurrency limit); all times in ms.
+--   slots still free, -1 without a concurrency limit); all times in ms. A rejection reports the counts the
+--   script got to (a remaining count is -1 where it did not: for TPM on "rate_limit_exceeded", for both on the
+--   earlier checks), and the reset of the exceeded limit is its retry_after_ms.
 --   budget_*: on "budget_exceeded", what was spent in the budget's period and its limit, in budget_unit
 --   ("tokens", or "micros": integer micro-units of the price currency); 0, 0, "" otherwise.
 --
@@ -127,7 +129,7 @@ if rpm >= 0 then
       local entry = redis.call('ZRANGE', rpm_key, num_requests - rpm, num_requests - rpm, 'WITHSCORES')
       retry_after = tonumber(entry[2]) + window - now
     end
-    return reject('rate_limit_exceeded', retry_after)
+    return {'rate_limit_exceeded', version, record, rpm, 0, retry_after, tpm, -1, 0, retry_after, -1, 0, 0, ''}
   end
 end
 
@@ -145,8 +147,11 @@ if tpm >= 0 then
   num_tokens = tonumber(redis.call('GET', tpm_sum_key)) or 0
   if num_tokens + estimate > tpm then
     local retry_after = window
+    local entries = redis.call('ZRANGE', tpm_key, 0, -1, 'WITHSCORES')
+    -- A request that can never fit gets no retry hint; its reset is when the oldest reservation leaves.
+    local tpm_reset_now = 0
+    if #entries > 0 then tpm_reset_now = tonumber(entries[2]) + window - now end
     if estimate <= tpm then
-      local entries = redis.call('ZRANGE', tpm_key, 0, -1, 'WITHSCORES')
       local num_freed = 0
       for i = 1, #entries, 2 do
         num_freed = num_freed + member_tokens(entries[i])
@@ -155,8 +160,16 @@ if tpm >= 0 then
           break
         end
       end
+      tpm_reset_now = retry_after
     end
-    return reject('tokens_limit_exceeded', retry_after)
+    local rpm_remaining_now, rpm_reset_now = -1, 0
+    if rpm >= 0 then
+      rpm_remaining_now = rpm - num_requests
+      local oldest = redis.call('ZRANGE', rpm_key, 0, 0, 'WITHSCORES')
+      if #oldest > 0 then rpm_reset_now = tonumber(oldest[2]) + window - now end
+    end
+    return {'tokens_limit_exceeded', version, record, rpm, rpm_remaining_now, rpm_reset_now, tpm,
+      math.max(tpm - num_tokens, 0), tpm_reset_now, retry_after, -1, 0, 0, ''}
   end
 end
 

@@ -20,6 +20,7 @@ from auth.master_key import read_master_key
 from auth.store import KeyStore
 from gateway.engine_metrics import local_engine_stats
 from gateway.errors import AuthError, InvalidRequestError, PermissionDeniedError
+from gateway.settings import Settings
 
 __all__ = ["admin_routes"]
 
@@ -34,7 +35,7 @@ def _json(data: dict[str, Any], status_code: int = 200) -> Response:
 async def _admin_store(request: Request) -> KeyStore:
     """The key store, once the caller has proven to hold the master key."""
     credential = extract_credential(request.headers)
-    master_key = getattr(request.app.state, "master_key", None) or read_master_key(request.app.state.settings)
+    master_key = getattr(request.app.state, "master_key", None) or _read_master_key(request.app.state.settings)
     if master_key is not None and hmac.compare_digest(credential.encode(), master_key.encode()):
         store: KeyStore = request.app.state.key_store
         return store
@@ -147,3 +148,8 @@ def admin_routes() -> list[Route]:
         Route("/admin/usage", total_usage, methods=["GET"]),
         Route("/admin/engine", engine_stats, methods=["GET"]),
     ]
+
+
+def _read_master_key(settings: Settings) -> str | None:
+    configured = settings.master_key.get_secret_value() if settings.master_key is not None else None
+    return read_master_key(configured, settings.data_dir)

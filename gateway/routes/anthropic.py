@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from backends.base import Endpoint, Json
+from backends.base import CountsPromptTokens, Endpoint, Json
 from gateway.errors import GatewayError, InvalidRequestError
 from gateway.pipeline import estimate_prompt_tokens, open_call, request_id_of, serves_natively
 from gateway.router import Router
@@ -50,13 +50,15 @@ async def create_message(request: Request) -> Response:
         endpoint, upstream_body = "chat/completions", messages_to_chat(body)
     with forwarding(request):
         call = await open_call(request, endpoint=endpoint, body=upstream_body, model=model, stream=stream)
-    headers = anthropic_headers(call.headers, request_id=request_id_of(request))
     if not stream:
         with forwarding(request):
             data = await call.json()
         if not is_native:
             data = chat_to_message(data, model=model, stop_sequences=body.get("stop_sequences"))
+        # (after the answer: it may add headers, e.g. x-unigate-max-tokens-clamped)
+        headers = anthropic_headers(call.headers, request_id=request_id_of(request))
         return JSONBytesResponse(orjson.dumps(data), headers=headers)
+    headers = anthropic_headers(call.headers, request_id=request_id_of(request))
     if is_native:
         events = guard_events(call.chunks())
     else:
@@ -71,22 +73,29 @@ async def create_message(request: Request) -> Response:
 
 
 async def count_tokens(request: Request) -> Response:
-    """Exact counts from an Anthropic upstream; elsewhere the gateway's estimate (characters / 4), which is what
-    clients use this for: deciding when a conversation nears the context limit."""
+    """Exact counts from an Anthropic upstream, and from the local engine (the model's chat template and tokenizer,
+    as the request would be billed); elsewhere the gateway's estimate (characters / 4), marked `"estimated": true`.
+    Clients use this to decide when a conversation nears the context limit."""
     body = await read_json_body(request)
     model = require_model(body)
     if not isinstance(body.get("messages"), list):
         raise InvalidRequestError("`messages` must be a list of {role, content} objects.", param="messages")
+    headers = {"request-id": request_id_of(request)}
     if serves_natively(request, model, "messages/count_tokens"):
         with forwarding(request):
             call = await open_call(request, endpoint="messages/count_tokens", body=body, model=model, stream=False)
             data = await call.json()
-        return JSONBytesResponse(orjson.dumps(data), headers={"request-id": request_id_of(request)})
+        return JSONBytesResponse(orjson.dumps(data), headers=headers)
     router: Router = request.app.state.router
     principal = await authenticate(request)  # verified by read_json_body: from the cache
-    router.resolve(model, visible=principal.may_use)  # 404 for models this caller may not see or use
+    target = router.resolve(model, visible=principal.may_use)  # 404 for models this caller may not see or use
+    counters = [d.backend for d in target.route.deployments if isinstance(d.backend, CountsPromptTokens)]
+    if counters and len(counters) == len(target.route.deployments):
+        with forwarding(request):
+            num_tokens = await counters[0].count_prompt_tokens(messages_to_chat(body))
+        return JSONBytesResponse(orjson.dumps({"input_tokens": num_tokens}), headers=headers)
     num_tokens = estimate_prompt_tokens("messages", body) + _tools_chars(body.get("tools")) // 4
-    return JSONBytesResponse(orjson.dumps({"input_tokens": num_tokens}), headers={"request-id": request_id_of(request)})
+    return JSONBytesResponse(orjson.dumps({"input_tokens": num_tokens, "estimated": True}), headers=headers)
 
 
 def _tools_chars(tools: object) -> int:

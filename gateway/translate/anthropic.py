@@ -6,8 +6,10 @@
     guard_events(events)                              native Anthropic events, closed properly if the source breaks
 
 Pure functions over dicts. What the target cannot express (server tools, documents it cannot read, `thinking`,
-`cache_control`) is dropped, with a logged warning where the model's behaviour may change. The opposite direction
-(chat clients on `type: anthropic` upstreams) is in `anthropic_upstream.py`.
+`cache_control`) is dropped, with a logged warning where the model's behaviour may change. A translated request is
+the same on every turn that resends the same conversation (no fresh ids; Claude Code's per-request billing line in
+`system` is left out), so the prompt a backend renders from it keeps its prefix and a prefix cache keeps matching.
+The opposite direction (chat clients on `type: anthropic` upstreams) is in `anthropic_upstream.py`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from gateway.translate.common import (
     logger,
     new_id,
     parse_arguments,
+    position_id,
     translate_stream,
     usage_counts,
     wrong_type,
@@ -78,11 +81,25 @@ def messages_to_chat(body: Json) -> Json:
     return chat
 
 
+# Claude Code (2.1.36 and later) opens `system` with a block like `x-anthropic-billing-header: cc_version=2.1.42.834;
+# cc_entrypoint=cli; cch=65abc;` whose `cch` changes on every request: metadata for Anthropic's API, not prompt text.
+# Kept, it would make every request's prompt differ from its first token on, so no prefix cache could ever match.
+_BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
+
+
 def _system_text(system: Any) -> str:
-    """The top-level `system` (a string or text blocks, whose `cache_control` is meaningless downstream)."""
+    """The top-level `system` (a string or text blocks, whose `cache_control` is meaningless downstream), without
+    Claude Code's billing line."""
     if system is None or isinstance(system, str):
         return system or ""
+    if isinstance(system, list):
+        system = [block for block in system if not _is_billing_header(block)]
     return _blocks_text(system, "system", separator="\n\n")
+
+
+def _is_billing_header(block: Any) -> bool:
+    text = block.get("text") if isinstance(block, dict) else None
+    return isinstance(text, str) and text.startswith(_BILLING_HEADER_PREFIX)
 
 
 def _blocks_text(content: Any, param: str, *, separator: str = "\n") -> str:
@@ -236,7 +253,7 @@ def _assistant_message(content: Any, param: str, dropped: DropLog) -> Json:
         elif kind == "tool_use":
             arguments = dumps_request(block.get("input") or {}, param=f"{where}.input")
             function = {"name": _string(block, "name", where), "arguments": arguments}
-            call_id = _string(block, "id", where) or new_id("toolu_")
+            call_id = _string(block, "id", where) or position_id("toolu_", where)
             tool_calls.append({"id": call_id, "type": "function", "function": function})
         elif kind in ("thinking", "redacted_thinking"):
             continue  # the target has no thinking; earlier turns' thoughts are not part of the conversation

@@ -4,6 +4,7 @@ per-request log of dropped items, and the 400s for request fields of the wrong t
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +24,7 @@ __all__ = [
     "dumps_request",
     "new_id",
     "parse_arguments",
+    "position_id",
     "translate_stream",
     "usage_counts",
     "wrong_type",
@@ -118,6 +120,13 @@ async def translate_stream(builder: TextHoldingBuilder, chunks: AsyncIterator[Js
 def new_id(prefix: str) -> str:
     """An id in the target API's style (`msg_…`, `toolu_…`, `resp_…`, `fc_…`, `call_…`)."""
     return f"{prefix}{uuid.uuid4().hex}"
+
+
+def position_id(prefix: str, param: str) -> str:
+    """An id for a request item the client sent without one, from its place in the request (`messages[3].content[1]`
+    → `toolu_3_1`): every turn that resends the conversation gets the same id, so the prompt rendered from it stays
+    the same (a prefix cache keeps matching), where a fresh random id would change it on every request."""
+    return prefix + "_".join(re.findall(r"\d+", param))
 
 
 def dumps(value: Any) -> str:

@@ -5,7 +5,9 @@
     chat_chunks_to_response_events(chunks, request=...)  chat chunks   → Responses SSE events `(name, data)`
 
 Only `function` tools translate; other tool types (web_search, custom, namespace, tool_search, ...) are dropped
-with a warning, and `reasoning` is ignored. Pure functions over dicts.
+with a warning, and `reasoning` is ignored. Pure functions over dicts. A translated request is the same on every turn
+that resends the same conversation (tools in the client's order, no fresh ids), so the prompt a backend renders from
+it keeps its prefix and a prefix cache keeps matching.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from gateway.translate.common import (
     content_text,
     logger,
     new_id,
+    position_id,
     translate_stream,
     usage_counts,
     wrong_type,
@@ -137,7 +140,8 @@ def _add_item(messages: list[Json], item: Any, param: str, dropped: DropLog) -> 
         messages.append(_chat_message(item, param, dropped))
     elif kind == "function_call":
         function = {"name": _string(item, "name", param), "arguments": _string(item, "arguments", param) or "{}"}
-        call = {"id": _string(item, "call_id", param) or new_id("call_"), "type": "function", "function": function}
+        call_id = _string(item, "call_id", param) or position_id("call_", param)
+        call = {"id": call_id, "type": "function", "function": function}
         last = messages[-1] if messages else None
         if last is not None and last["role"] == "assistant":
             # Parallel calls (and the text before them) are one assistant turn in chat completions.

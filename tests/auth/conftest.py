@@ -13,7 +13,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 
-from auth.access import RedisAccess
+from auth.access import AccessConfig, RedisAccess
 from auth.redis_client import connect
 from auth.store import KeyStore
 from gateway.errors import GatewayError, render_openai
@@ -70,9 +70,8 @@ async def make_access(redis_url: str, tmp_path: Path) -> AsyncIterator[Callable[
 
     async def build(url: str | None = None, *, rate_window_s: float = 60.0, **limits: Any) -> RedisAccess:
         client = connect(url or redis_url)
-        access = RedisAccess(
-            client, settings=make_settings(tmp_path, **limits), master_key=MASTER_KEY, rate_window_s=rate_window_s
-        )
+        config = AccessConfig(failure_mode=limits.pop("redis_failure_mode", "closed"), **limits)
+        access = RedisAccess(client, config=config, master_key=MASTER_KEY, rate_window_s=rate_window_s)
         await access.start()
         created.append((access, client))
         return access

@@ -38,14 +38,13 @@ from hypothesis.stateful import (
 )
 
 from auth import redis_names
-from auth.access import RedisAccess
+from auth.access import AccessConfig, RedisAccess
 from auth.base import Admission
 from auth.redis_client import connect
 from auth.scripts import ScriptSet
 from auth.store import KeyStore, period_key
 from gateway.errors import GatewayError
 from gateway.routing_config import PricingConfig
-from gateway.settings import LimitSettings, Settings
 
 CLOCK_KEY = "ug:test:clock"
 WINDOW_MS = 60_000
@@ -192,14 +191,9 @@ class AccountingMachine(RuleBasedStateMachine):
         self.run(self.redis.set(CLOCK_KEY, self.now))
         script_set = ScriptSet(clock_key=CLOCK_KEY)
         self.store = KeyStore(self.redis, scripts=script_set)
-        gateway_settings = Settings(
-            _env_file=None,  # type: ignore[call-arg]
-            data_dir=self.data_dir,
-            limits=LimitSettings(lease_ttl_s=LEASE_TTL_MS / 1000),
-        )
         self.access = RedisAccess(
             connect(self.redis_url),
-            settings=gateway_settings,
+            config=AccessConfig(lease_ttl_s=LEASE_TTL_MS / 1000),
             master_key="sk-ug-master-test-key-0123456789",
             script_set=script_set,
         )

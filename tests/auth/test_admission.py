@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any
 
@@ -224,6 +225,42 @@ async def test_headers_and_reset_format(make_access: Any, new_key: Any) -> None:
     _, unlimited = await new_key()
     assert (await access.admit(unlimited, model="m", estimated_tokens=5)).headers == {}
     assert [format_reset(v) for v in (20, 1500, 60_000, 360_250)] == ["20ms", "1.5s", "1m0s", "6m0.25s"]
+
+
+def _reset_ms(value: str) -> int:
+    """The inverse of `format_reset`."""
+    if value.endswith("ms"):
+        return int(value[:-2])
+    minutes, _, seconds = value[:-1].rpartition("m")
+    return int(minutes or 0) * 60_000 + round(float(seconds) * 1000)
+
+
+async def test_rejection_headers_agree_with_retry_after(make_access: Any, new_key: Any) -> None:
+    access = await make_access()
+    _, by_requests = await new_key(rpm=1, tpm=500)
+    await access.admit(by_requests, model="m", estimated_tokens=50)
+    limited = await _admit_error(access, by_requests, tokens=50)
+    assert limited.code == "rate_limit_exceeded"
+    assert limited.headers["x-ratelimit-remaining-requests"] == "0"
+    reset_ms = _reset_ms(limited.headers["x-ratelimit-reset-requests"])
+    assert 0 < reset_ms <= 60_000 and math.ceil(reset_ms / 1000) == int(limited.headers["retry-after"])
+    # The token limit was not checked on this rejection: no made-up "0 left, resets in 0ms".
+    assert limited.headers["x-ratelimit-limit-tokens"] == "500"
+    assert "x-ratelimit-remaining-tokens" not in limited.headers and "x-ratelimit-reset-tokens" not in limited.headers
+
+    _, by_tokens = await new_key(rpm=10, tpm=100)
+    await access.admit(by_tokens, model="m", estimated_tokens=60)
+    limited = await _admit_error(access, by_tokens, tokens=60)
+    assert limited.code == "tokens_limit_exceeded"
+    assert limited.headers["x-ratelimit-remaining-tokens"] == "40"
+    assert limited.headers["x-ratelimit-remaining-requests"] == "9"
+    reset_ms = _reset_ms(limited.headers["x-ratelimit-reset-tokens"])
+    assert 0 < reset_ms <= 60_000 and math.ceil(reset_ms / 1000) == int(limited.headers["retry-after"])
+    assert 0 < _reset_ms(limited.headers["x-ratelimit-reset-requests"]) <= 60_000
+
+    never = await _admit_error(access, by_tokens, tokens=5000)
+    assert never.code == "tokens_limit_exceeded" and "retry-after" not in never.headers
+    assert never.headers["x-ratelimit-remaining-tokens"] == "40"
 
 
 async def test_settles_queued_together_share_one_script_call_and_add_up(

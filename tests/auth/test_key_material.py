@@ -9,7 +9,6 @@ import pytest
 from auth.base import model_allowed
 from auth.keys import display_prefix, generate_key, hash_key, is_key_id, new_key_id, new_request_id
 from auth.master_key import master_key_path, read_master_key, resolve_master_key
-from gateway.settings import Settings
 
 
 def test_generated_keys_are_prefixed_random_and_long() -> None:
@@ -40,16 +39,12 @@ def test_model_allowlist_semantics_match_the_lua_matcher() -> None:
     assert not model_allowed(("gpt-4o",), "gpt-4o-mini")
 
 
-def _settings(data_dir: Path, master_key: str | None = None) -> Settings:
-    return Settings(_env_file=None, data_dir=data_dir, master_key=master_key)  # type: ignore[call-arg, arg-type]
-
-
 def test_master_key_generated_once_owner_only_and_printed_once(tmp_path: Path) -> None:
     announced: list[str] = []
-    settings = _settings(tmp_path / "data")
-    assert read_master_key(settings) is None
-    key = resolve_master_key(settings, announce=lambda k, _: announced.append(k))
-    again = resolve_master_key(settings, announce=lambda k, _: announced.append(k))
+    data_dir = tmp_path / "data"
+    assert read_master_key(None, data_dir) is None
+    key = resolve_master_key(None, data_dir, announce=lambda k, _: announced.append(k))
+    again = resolve_master_key(None, data_dir, announce=lambda k, _: announced.append(k))
     assert key == again and key.startswith("sk-ug-")
     assert announced == [key]
     mode = stat.S_IMODE(master_key_path(tmp_path / "data").stat().st_mode)
@@ -57,8 +52,8 @@ def test_master_key_generated_once_owner_only_and_printed_once(tmp_path: Path) -
 
 
 def test_configured_master_key_wins_and_writes_nothing(tmp_path: Path) -> None:
-    settings = _settings(tmp_path, "sk-ug-configured")
-    assert resolve_master_key(settings, announce=lambda *_: pytest.fail("printed")) == "sk-ug-configured"
+    configured = resolve_master_key("sk-ug-configured", tmp_path, announce=lambda *_: pytest.fail("printed"))
+    assert configured == "sk-ug-configured"
     assert not master_key_path(tmp_path).exists()
 
 

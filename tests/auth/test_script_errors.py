@@ -14,13 +14,12 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from redis.exceptions import ResponseError
 
-from auth.access import RedisAccess
+from auth.access import AccessConfig, RedisAccess
 from auth.redis_client import connect
 from auth.scripts import LuaScript, ScriptError, ScriptSet, StorageError, classify_failure
 from auth.store import KeyStore
 from gateway.access_metrics import AccessStatsCollector
 from gateway.errors import GatewayError, LimitError
-from gateway.settings import Settings
 
 MASTER = "sk-ug-master-test-key-0123456789"
 
@@ -36,8 +35,7 @@ def break_script(script: LuaScript, line_text: str) -> None:
 
 async def make_access(redis_url: str, tmp_path: Any, script_set: ScriptSet) -> tuple[RedisAccess, Any]:
     client = connect(redis_url)
-    settings = Settings(_env_file=None, data_dir=tmp_path)  # type: ignore[call-arg]
-    access = RedisAccess(client, settings=settings, master_key=MASTER, script_set=script_set)
+    access = RedisAccess(client, config=AccessConfig(), master_key=MASTER, script_set=script_set)
     await access.start()
     return access, client
 

@@ -13,6 +13,7 @@ from bench_fakes import FakeConfig, FakeServer
 from typer.testing import CliRunner
 
 from bench.cli import register
+from bench.telemetry import NONE_EXPORTED
 
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 METRICS_TEXT = """\
@@ -117,6 +118,15 @@ def test_rate_mode_records_rate_levels(app: typer.Typer, tmp_path: Path) -> None
     assert result.exit_code == 0, result.output
     (level,) = json.loads(out.read_text())["levels"]
     assert level["rate"] == 40.0 and "concurrency" not in level and level["requests"] == 5
+
+
+def test_a_target_exporting_no_useful_series_says_so(app: typer.Typer, tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    with FakeServer(FakeConfig(metrics_text="# TYPE http_requests_total counter\nhttp_requests_total 9\n")) as server:
+        result = _bench(app, server, "--concurrency", "1", "--requests", "2", "--output-len", "3", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    (level,) = json.loads(out.read_text())["levels"]
+    assert level["telemetry"]["metrics"] == NONE_EXPORTED  # not an empty {} that reads like a bug
 
 
 def test_jsonl_dataset_is_sent_as_written(app: typer.Typer, tmp_path: Path) -> None:

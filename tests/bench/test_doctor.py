@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 import typer
 from bench_fakes import FakeConfig, FakeServer
+from fakes.app import MASTER, build_app, single_model
+from fakes.server import ThreadedServer
+from fakes.upstream import FakeUpstream
 from typer.testing import CliRunner
 
 from bench.cli import register
@@ -112,6 +115,15 @@ async def test_404_model_not_found_lists_models() -> None:
     failure = _failures(diagnosis)["chat completion"]
     assert "Available models: fake-model, local" in failure and "did you mean `fake-model`" in failure
     assert _status(diagnosis, "model") is CheckStatus.WARN
+
+
+async def test_an_alias_of_a_gateway_model_is_not_reported_missing(fake_upstream: FakeUpstream) -> None:
+    # The real gateway lists `gpt-test` with `"aliases": ["fast"]`; `fast` is served, so doctor must say so.
+    with ThreadedServer(build_app(single_model(fake_upstream))) as gateway:
+        diagnosis = await diagnose(f"{gateway.url}/v1", MASTER, "fast")
+    model = next(c for c in diagnosis.checks if c.name == "model")
+    assert model.status is CheckStatus.OK and "alias of `gpt-test`" in model.detail, model.detail
+    assert _status(diagnosis, "chat completion") is CheckStatus.OK
 
 
 async def test_429_rate_limited_says_when_to_retry() -> None:

@@ -91,6 +91,31 @@ def test_safetensors_headers_give_exact_parameters(tmp_path: Path) -> None:
     assert kv_bytes_per_token(shape, "bf16") == 2 * 2 * 2 * 16 * 2
 
 
+def test_a_weights_cache_entry_counts_each_weight_once(tmp_path: Path) -> None:
+    """unigate's cache of a converted GGUF keeps the quantised blocks (raw bytes) beside the dequantised float32
+    weights under the same names: the blocks are not more parameters, and the config names no dtype."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from local_engine.weights_cache import BLOCKS_FILE, WEIGHTS_FILE
+
+    config = {key: value for key, value in LLAMA2_7B_CONFIG.items() if key != "torch_dtype"}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2, "hidden_size": 64}))
+    weights = {"embed.weight": np.zeros((8, 4), np.float32), "norm.weight": np.zeros(4, np.float32)}
+    save_file(weights, str(tmp_path / WEIGHTS_FILE))
+    save_file(
+        {"embed.weight": np.zeros((8, 20), np.uint8)}, str(tmp_path / BLOCKS_FILE), metadata={"embed.weight": "Q4_1"}
+    )
+    shape = from_hf_config(tmp_path)
+    assert shape.num_params == 8 * 4 + 4 and not shape.is_num_params_estimated
+    assert shape.weights_bytes_stored == (8 * 4 + 4) * 4 and shape.stored_dtype == "float32"
+    app = typer.Typer()
+    register(app)
+    shown = CliRunner().invoke(app, ["kv-plan", str(tmp_path)])
+    assert shown.exit_code == 0, shown.output
+    assert "(as stored in the file, float32: 144 B)" in shown.output and "None" not in shown.output
+
+
 def test_bundled_smollm2_gguf() -> None:
     shape = from_gguf(SMOLLM2_GGUF)
     assert (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (30, 9, 3, 64)

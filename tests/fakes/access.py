@@ -1,13 +1,15 @@
 """A recording `AccessControl` for tests: the master key plus named keys with model allowlists, and a log of
-every admit / settle / acquire_upstream / release_upstream call (to prove usage is settled and leases freed)."""
+every admit / settle / acquire_upstream / release_upstream call (to prove usage is settled and leases freed).
+Deployments named in `full` answer every acquire with 503 `upstream_at_capacity`, as a saturated pool does."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from auth.base import Admission, MasterKeyAccess, Principal, UpstreamLease
-from gateway.errors import AuthError, PermissionDeniedError
+from gateway.errors import AuthError, PermissionDeniedError, UnavailableError
 
 __all__ = ["RecordingAccess", "Settled"]
 
@@ -30,6 +32,8 @@ class RecordingAccess(MasterKeyAccess):
     settled: list[Settled] = field(default_factory=list)
     acquired: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
+    full: set[str] = field(default_factory=set)  # deployments whose every slot stays busy: 503 upstream_at_capacity
+    slot_wait_s: float = 0.0  # how long each acquire waits before its slot frees up (a busy pool)
 
     def __post_init__(self) -> None:
         super().__init__(self.master_key)
@@ -72,6 +76,15 @@ class RecordingAccess(MasterKeyAccess):
 
     async def acquire_upstream(self, deployment: str, *, max_in_flight: int, timeout_s: float) -> UpstreamLease:
         self.acquired.append(deployment)
+        if self.slot_wait_s:
+            await asyncio.sleep(min(self.slot_wait_s, timeout_s))
+        if deployment in self.full:
+            raise UnavailableError(
+                f"The upstream for this model is at capacity (max_in_flight={max_in_flight}) and no slot freed up "
+                f"within {timeout_s:g} s. Retry shortly.",
+                code="upstream_at_capacity",
+                headers={"retry-after": "1"},
+            )
         return UpstreamLease(deployment=deployment, lease_id=f"lease-{len(self.acquired)}")
 
     async def release_upstream(self, lease: UpstreamLease) -> None:

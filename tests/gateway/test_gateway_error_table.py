@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
 import httpx
 import pytest
+from fakes.access import RecordingAccess
 from fakes.app import AUTH, CHAT, MASTER, asgi_client, build_app, make_settings, single_model
 from fakes.upstream import MALFORMED_VARIANTS, Behavior, FakeUpstream
 from starlette.requests import Request
@@ -153,6 +155,17 @@ async def test_upstream_timeout_is_504(fake_upstream: FakeUpstream) -> None:
         response = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
     error = assert_envelope(response, 504, "upstream_timeout")
     assert "timeout_s" in error["message"]
+
+
+async def test_a_504_says_which_wait_ran_out_and_counts_the_wait_for_a_slot(fake_upstream: FakeUpstream) -> None:
+    fake_upstream.behave(mode="slow", ttft_s=2)
+    access = RecordingAccess(master_key=MASTER, slot_wait_s=0.3)
+    routing = single_model(fake_upstream, timeout_s=0.2, max_in_flight=1, router={"num_retries": 0})
+    async with asgi_client(build_app(routing, access=access)) as client:
+        response = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    message = assert_envelope(response, 504, "upstream_timeout")["message"]
+    assert "timeout_s of 0.2 s, counted from when the gateway sent it the request" in message, message
+    assert re.search(r"waited \d+\.\d s for a free slot of this deployment \(max_in_flight\)", message), message
 
 
 @pytest.mark.parametrize("variant", [v for v in MALFORMED_VARIANTS if not v.startswith(("missing_", "tool_calls"))])

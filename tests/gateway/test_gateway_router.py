@@ -9,7 +9,7 @@ from fakes.access import RecordingAccess
 from fakes.app import AUTH, CHAT, MASTER, asgi_client, build_app, deployment
 from fakes.upstream import Behavior, FakeUpstream
 
-from gateway.errors import BackendError
+from gateway.errors import BackendError, NotFoundError
 from gateway.router import Router
 from gateway.routing_config import parse_routing
 
@@ -141,6 +141,47 @@ async def test_upstream_lease_acquired_and_released(fake_upstream: FakeUpstream)
     assert len(access.acquired) == 4  # one success + 1 + 2 retries
 
 
+async def test_at_capacity_is_not_retried_on_the_same_deployment(fake_upstream: FakeUpstream) -> None:
+    access = RecordingAccess(master_key=MASTER, full={"a"})
+    routing = {
+        "models": [{"id": "gpt-test", "deployments": [deployment(fake_upstream, name="a", max_in_flight=1)]}],
+        "router": FAST_RETRIES,
+    }
+    async with asgi_client(build_app(routing, access=access)) as client:
+        response = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "upstream_at_capacity"
+    assert access.acquired == ["a"]  # one pool_timeout wait, not 1 + num_retries of them
+    assert fake_upstream.requests == []
+
+
+async def test_at_capacity_moves_to_another_deployment_then_the_fallback(fake_upstream_factory: Any) -> None:
+    a, b, backup = fake_upstream_factory(), fake_upstream_factory(), fake_upstream_factory()
+    access = RecordingAccess(master_key=MASTER, full={"a"})
+    routing = {
+        "models": [
+            {
+                "id": "gpt-test",
+                "deployments": [deployment(a, name="a", max_in_flight=1), deployment(b, name="b", max_in_flight=1)],
+            },
+            {"id": "backup-model", "deployments": [deployment(backup, name="backup", max_in_flight=1)]},
+        ],
+        "fallbacks": {"gpt-test": ["backup-model"]},
+        "router": FAST_RETRIES,
+    }
+    async with asgi_client(build_app(routing, access=access)) as client:
+        for _ in range(6):  # the first pick is random: whichever it is, `a` is tried at most once per request
+            before = len(access.acquired)
+            assert (await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)).status_code == 200
+            assert access.acquired[before:].count("a") <= 1
+        assert len(b.requests) == 6 and a.requests == [] and backup.requests == []
+        access.full.add("b")
+        before = len(access.acquired)
+        assert (await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)).status_code == 200
+    assert sorted(access.acquired[before:]) == ["a", "b", "backup"]
+    assert len(backup.requests) == 1
+
+
 class CountingBackend:
     def __init__(self, name: str) -> None:
         self.name = name
@@ -226,3 +267,7 @@ def test_wildcard_and_alias_resolution() -> None:
     with pytest.raises(Exception, match="Did you mean 'gpt-4o-mini'"):
         router.resolve("gpt-4o-mni")
     assert router.find("openai/") is None
+    with pytest.raises(NotFoundError) as caught:
+        router.resolve("opnai/gpt-4.1")
+    assert "Did you mean 'openai/<model>'?" in caught.value.message  # the wildcard's form, not a fake model id
+    assert "openai/*" not in caught.value.message

@@ -88,3 +88,6 @@ async def test_sigterm_lets_short_streams_finish_and_cuts_long_ones_with_an_erro
     assert fake_upstream.num_open_streams == 0 and fake_upstream.num_streams_aborted == 1
     logs = process.stderr.read().decode() if process.stderr else ""
     assert '"level":"info"' in logs  # JSON log lines
+    # The cut stream ended properly (error event, [DONE]): no "Exception in ASGI application" traceback for it.
+    assert "Exception in ASGI application" not in logs and "CancelledError" not in logs, logs
+    assert "color_message" not in logs and "\\u001b[" not in logs, logs  # uvicorn's ANSI-coloured duplicate

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from backends import build_backend
 from backends.openai import OpenAIBackend
 from gateway.app import create_app
 from gateway.errors import BackendError
+from gateway.logging import JsonFormatter
 from gateway.normalize import normalize_chunk, normalize_response
 from gateway.routing_config import RoutingConfigError, default_routing, load_routing, parse_routing
 from gateway.settings import Settings
@@ -189,3 +192,14 @@ async def test_sse_data_lines_stop_at_done_and_say_whether_it_came() -> None:
     assert [data async for data in stream] == ["{}", "[1]"] and stream.is_done
     cut = SSEDataLines(_lines("data: {}", ""))
     assert [data async for data in cut] == ["{}"] and not cut.is_done
+
+
+def test_json_log_lines_keep_extra_fields_but_not_uvicorns_coloured_copy() -> None:
+    record = logging.makeLogRecord(
+        {"name": "uvicorn.error", "levelname": "INFO", "msg": "Uvicorn running on %s", "args": ("http://x",)}
+    )
+    record.color_message = "Uvicorn running on \x1b[1m%s\x1b[0m"  # what uvicorn passes as `extra=`
+    record.deployment = "a"
+    line = orjson.loads(JsonFormatter().format(record))
+    assert line["message"] == "Uvicorn running on http://x" and line["deployment"] == "a"
+    assert "color_message" not in line

@@ -4,6 +4,7 @@ embeddings); the same greedy tokens end to end; and the cases it leaves to the f
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -85,3 +86,14 @@ def test_off_where_it_does_not_apply(llama: TinyModel, overrides: dict[str, Any]
     assert engine.runner.cpu_decoder is None and not engine.stats()["fused_cpu_decode"]
     got = engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert len(got[0][0].token_ids) == 3  # decodes op by op
+
+
+@needs_kernel
+def test_bfloat16_on_cpu_says_once_why_it_runs_on_the_torch_ops(
+    llama: TinyModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="unigate.engine"):
+        engine = llama.engine(dtype="bfloat16")
+    assert engine.runner.ops_name == "torch_ops"  # not the native ops, which would hand every call back
+    reasons = [r.getMessage() for r in caplog.records if "float32 only" in r.getMessage()]
+    assert len(reasons) == 1 and reasons[0].startswith("bfloat16 on CPU"), caplog.text

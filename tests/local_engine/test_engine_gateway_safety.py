@@ -289,3 +289,20 @@ async def test_a_loading_engine_is_loading_and_requests_wait_or_get_503(tiny_mod
     finally:
         release.set()
         await local.aclose()
+
+
+# -- issue 27, item 8: count_tokens counts with the model's own tokenizer and chat template --------------------------
+
+
+async def test_count_tokens_is_what_the_request_is_billed(backend: LocalBackend) -> None:
+    body = {
+        "model": "tiny",
+        "system": "You are terse.",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "tools": [{"name": "get_weather", "description": "Weather", "input_schema": {"type": "object"}}],
+    }
+    async with asgi_client(gateway(backend)) as client:
+        counted = await client.post("/v1/messages/count_tokens", json=body, headers=AUTH)
+        sent = await client.post("/v1/messages", json={**body, "max_tokens": 1}, headers=AUTH)
+    assert counted.status_code == 200 and sent.status_code == 200, (counted.text, sent.text)
+    assert counted.json() == {"input_tokens": sent.json()["usage"]["input_tokens"]}  # exact: no "estimated"

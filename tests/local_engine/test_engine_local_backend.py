@@ -127,8 +127,9 @@ async def test_errors_are_gateway_errors(backend: LocalBackend) -> None:
     with pytest.raises(InvalidRequestError) as info:
         await backend.send("completions", too_long, request_id="e1")
     assert info.value.code == "context_length_exceeded" and info.value.status_code == 400
+    too_long_chat = {**CHAT, "messages": [{"role": "user", "content": "spring " * 400}]}  # (a max_tokens is clamped)
     with pytest.raises(InvalidRequestError) as info:
-        [c async for c in backend.stream("chat/completions", {**CHAT, "max_tokens": 250}, request_id="e2")]
+        [c async for c in backend.stream("chat/completions", too_long_chat, request_id="e2")]
     assert info.value.code == "context_length_exceeded"
     with pytest.raises(InvalidRequestError, match="top_p"):
         await backend.send("chat/completions", {**CHAT, "top_p": 0}, request_id="e3")

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from backends.tool_calls import ToolCallStream, parse_tool_calls, tool_names
+from backends.tool_calls import ToolCallStream, parse_tool_calls, plain_tool_messages, tool_names
 
 NAMES = {"get_weather", "search"}
 WEATHER = {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -107,3 +107,49 @@ def test_streaming_sends_plain_text_without_holding_it_back() -> None:
     assert stream.feed(" wor<") == " wor"  # "<" could start "<tool_call>": held for now
     assert stream.feed("ld>") == "<ld>"
     assert stream.finish() == ("", [])
+
+
+# -- the way back: earlier calls and their results for a chat template that knows no tools (issue 20, item 4) ------
+
+
+def test_plain_tool_messages_write_calls_and_results_as_text() -> None:
+    call = {"id": "call_abc", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+    broken = {"id": "call_def", "type": "function", "function": {"name": "search", "arguments": "{not json"}}
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call, broken]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": "18C"},
+        {"role": "tool", "tool_call_id": "call_def", "content": "no results"},
+        {"role": "user", "content": "And tomorrow?"},
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": "20C"},
+    ]
+    assert plain_tool_messages(messages) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "search", "arguments": "{not json"}\n</tool_call>',
+        },
+        {
+            "role": "user",
+            "content": "<tool_response>\n18C\n</tool_response>\n<tool_response>\nno results\n</tool_response>\n"
+            "And tomorrow?",
+        },
+        {
+            "role": "assistant",
+            "content": "Let me check.\n"
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        },
+        {"role": "user", "content": "<tool_response>\n20C\n</tool_response>"},
+    ]
+
+
+def test_plain_tool_messages_read_back_as_the_same_calls() -> None:
+    """What the model is shown of its earlier call is what `parse_tool_calls` reads as that call."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": '{"q": "météo"}'}}
+    [message] = plain_tool_messages([{"role": "assistant", "content": "", "tool_calls": [call]}])
+    parsed = parse_tool_calls(message["content"], NAMES)
+    assert parsed is not None and _calls(parsed) == [("search", {"q": "météo"})]

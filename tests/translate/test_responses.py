@@ -134,6 +134,7 @@ def test_non_function_tools_are_dropped_with_a_warning(caplog: pytest.LogCapture
         chat = responses_to_chat({"model": "m", "input": "x", "tools": tools})
     assert [t["function"]["name"] for t in chat["tools"]] == ["shell"]
     assert "web_search" in caplog.text and "apply_patch" in caplog.text and "namespace" in caplog.text
+    assert "tool of type 'web_search'" in caplog.text and "None" not in caplog.text  # a nameless tool: its type
     with caplog.at_level(logging.WARNING, logger="unigate.translate"):
         chat = responses_to_chat({"model": "m", "input": "x", "tools": tools[:1], "tool_choice": "required"})
     assert "tools" not in chat and "tool_choice" not in chat

@@ -221,6 +221,9 @@ async def test_count_tokens(stack: Stack) -> None:
         )
     assert estimated.input_tokens > 0 and native.input_tokens > 0
     assert stack.claude.requests[-1].path == "/v1/messages/count_tokens"
+    # An OpenAI upstream cannot count: the gateway's estimate says so; the Anthropic upstream's count is exact.
+    assert (estimated.model_extra or {}).get("estimated") is True
+    assert "estimated" not in (native.model_extra or {})
 
 
 async def test_error_envelopes_are_anthropic_shaped(stack: Stack) -> None:

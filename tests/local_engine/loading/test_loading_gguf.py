@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.errors import EngineError
+from local_engine.errors import CheckpointError as EngineError
 from local_engine.loader import Checkpoint, load_checkpoint
 
 from .tiny_checkpoints import tiny_model
@@ -203,4 +203,3 @@ def test_missing_path(tmp_path: Path) -> None:
     with pytest.raises(EngineError, match="does not exist") as caught:
         load_checkpoint(tmp_path / "nowhere.gguf")
     assert caught.value.code == "checkpoint_not_found"
-    assert caught.value.status_code == 500

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from gateway.errors import EngineError
+from local_engine.errors import CheckpointError as EngineError
 from local_engine.loader import load_checkpoint
 
 from .tiny_checkpoints import save_tiny_tokenizer, tiny_model

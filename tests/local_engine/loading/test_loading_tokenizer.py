@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.errors import InvalidRequestError
+from local_engine.errors import InvalidParamError as InvalidRequestError
 from local_engine.loader import Checkpoint
 from local_engine.tokenizer import Tokenizer
 
@@ -118,7 +118,7 @@ def test_missing_chat_template_is_a_client_error(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequestError, match="/v1/completions") as caught:
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert caught.value.code == "chat_template_missing"
-    assert caught.value.status_code == 400
+    assert caught.value.param == "messages"  # the gateway answers it as a 400 naming the field
 
 
 def test_chat_template_rejection_is_a_client_error(tmp_path: Path) -> None:

@@ -19,10 +19,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from typer.testing import CliRunner
 
-from auth.cli import register
 from auth.redis_client import connect
 from auth.store import KeyStore
 from gateway.errors import GatewayError, render_openai
+from gateway.keys_cli import register
 from gateway.routes.admin import admin_routes
 from gateway.settings import Settings
 

@@ -57,7 +57,9 @@ def _master_key(explicit: str | None) -> str:
     from auth.master_key import read_master_key
     from gateway.settings import Settings
 
-    key = read_master_key(Settings())
+    settings = Settings()
+    configured = settings.master_key.get_secret_value() if settings.master_key is not None else None
+    key = read_master_key(configured, settings.data_dir)
     if key is None:
         _fail("no master key: pass --master-key, set UNIGATE_MASTER_KEY, or run from the gateway's directory.")
     return key

@@ -1,0 +1,43 @@
+"""Production gateways (`gateway.server.build_app`) for a routing table, one per name, sharing one real Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fakes.app import MASTER
+from fakes.server import ThreadedServer
+from gateway.server import build_app
+from gateway.settings import Settings
+
+__all__ = ["gateway_instances"]
+
+
+@contextmanager
+def gateway_instances(
+    redis_url: str, directory: Path, models: list[dict[str, Any]], names: tuple[str, ...] = ("a", "b")
+) -> Iterator[list[ThreadedServer]]:
+    """`with gateway_instances(redis_url, tmp_path, models) as (a, b):` — each instance has its own data dir."""
+    routing = directory / "unigate.yaml"
+    routing.write_text(yaml.safe_dump({"models": models}))
+    servers = []
+    try:
+        for name in names:
+            settings = Settings(
+                _env_file=None,  # type: ignore[call-arg]
+                config=routing,
+                master_key=MASTER,  # type: ignore[arg-type]
+                redis_url=redis_url,
+                data_dir=directory / name,
+                engine={"enabled": False},  # type: ignore[arg-type]
+                health_probe_interval_s=0,
+            )
+            servers.append(ThreadedServer(build_app(settings)).start())
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()

@@ -1,0 +1,94 @@
+"""Dependencies point one way (shared/ARCHITECTURE.md): `gateway/` composes `auth/`, `backends/`, `local_engine/`
+and `bench/`; those never import `gateway/` (except its ground floor) nor each other, except the local backend,
+which adapts the engine. The import graph is read with `ast` (every `import` and `from ... import`, including
+imports inside functions and under TYPE_CHECKING), so an arrow that points up or sideways fails here.
+
+`KNOWN_VIOLATIONS` lists the arrows that still point the wrong way, module by module, until they are moved; the
+test also fails when one of them is gone, so the list only ever shrinks.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("gateway", "auth", "backends", "local_engine", "bench")
+
+# The ground floor: the error tree (no web app, no I/O). Every package may import it.
+GROUND_FLOOR = frozenset({"gateway.errors"})
+
+# package -> the packages it may import (besides itself and the ground floor)
+ALLOWED = {
+    "gateway": frozenset({"auth", "backends", "local_engine", "bench"}),  # the composition root
+    "auth": frozenset(),
+    "backends": frozenset({"local_engine"}),  # backends/local.py adapts the engine
+    "local_engine": frozenset(),
+    "bench": frozenset(),  # bench and doctor talk HTTP
+}
+
+KNOWN_VIOLATIONS = frozenset(
+    {
+        ("backends/__init__.py", "gateway.routing_config"),
+        ("backends/__init__.py", "gateway.settings"),
+        ("backends/anthropic.py", "gateway.normalize"),
+        ("backends/anthropic.py", "gateway.translate.anthropic_upstream"),
+        ("backends/local.py", "gateway.settings"),
+        ("backends/openai.py", "gateway.normalize"),
+        ("backends/openai.py", "gateway.settings"),
+        ("backends/openai.py", "gateway.sse"),
+        ("bench/cli.py", "gateway.doctor"),
+        ("bench/client.py", "gateway.sse"),
+    }
+)
+
+
+def imports_of(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def wrong_arrows() -> set[tuple[str, str]]:
+    found: set[tuple[str, str]] = set()
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for name in imports_of(path):
+                target = name.split(".")[0]
+                if target not in PACKAGES or target == package or name in GROUND_FLOOR:
+                    continue
+                if target not in ALLOWED[package]:
+                    found.add((path.relative_to(ROOT).as_posix(), name))
+    return found
+
+
+def test_no_new_arrow_points_up_or_sideways() -> None:
+    new = wrong_arrows() - KNOWN_VIOLATIONS
+    assert not new, "imports against the dependency direction (see shared/ARCHITECTURE.md):\n" + "\n".join(
+        f"  {module} imports {name}" for module, name in sorted(new)
+    )
+
+
+def test_the_list_of_known_violations_only_shrinks() -> None:
+    fixed = KNOWN_VIOLATIONS - wrong_arrows()
+    assert not fixed, "these arrows were fixed; remove them from KNOWN_VIOLATIONS:\n" + "\n".join(
+        f"  {module} -> {name}" for module, name in sorted(fixed)
+    )
+
+
+def test_the_ground_floor_imports_nothing_of_ours() -> None:
+    for module in GROUND_FLOOR:
+        path = ROOT / (module.replace(".", "/") + ".py")
+        ours = {name for name in imports_of(path) if name.split(".")[0] in PACKAGES}
+        assert not ours, f"{module} is the ground floor but imports {sorted(ours)}"
+
+
+def test_the_engine_core_never_imports_torch() -> None:
+    """sequence, block manager and scheduler are pure Python (tested fast and exhaustively on their own)."""
+    for name in ("sequence", "block_manager", "scheduler", "errors"):
+        imported = imports_of(ROOT / "local_engine" / f"{name}.py")
+        assert not {i for i in imported if i.split(".")[0] in ("torch", "triton", "numpy")}, name
