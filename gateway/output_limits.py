@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -58,11 +58,24 @@ def requested_max_tokens(body: Json) -> tuple[str, int] | None:
     return None
 
 
+_FITS_OUTPUT: dict[type, bool] = {}
+
+
+def _fits_output(backend: object) -> bool:
+    """`isinstance(backend, FitsOutput)`, remembered per backend class: a runtime-checkable protocol's isinstance
+    costs microseconds, and this runs on every request."""
+    kind = type(backend)
+    known = _FITS_OUTPUT.get(kind)
+    if known is None:
+        known = _FITS_OUTPUT[kind] = isinstance(backend, FitsOutput)
+    return known
+
+
 def deployment_limits(deployment: Deployment) -> OutputLimits:
     """The local engine says its own (`FitsOutput`); an upstream's come from the routing file."""
     backend = deployment.backend
-    if isinstance(backend, FitsOutput):
-        return backend.output_limits()
+    if _fits_output(backend):
+        return cast(FitsOutput, backend).output_limits()
     config = deployment.config
     is_clamping = config.clamps_max_tokens and config.context_length is not None
     return OutputLimits(config.context_length, is_clamping, None)
@@ -90,7 +103,7 @@ def clamp_for_upstream(deployment: Deployment, body: Json) -> tuple[int, int] | 
     """Lower the output limit in `body` (the copy sent to an upstream) to the room its estimated prompt leaves in
     the configured `context_length`; returns `(requested, served)` when it did."""
     config = deployment.config
-    if isinstance(deployment.backend, FitsOutput) or config.context_length is None or not config.clamps_max_tokens:
+    if config.context_length is None or not config.clamps_max_tokens or _fits_output(deployment.backend):
         return None
     found = requested_max_tokens(body)
     if found is None:
