@@ -1,4 +1,5 @@
-"""`RedisAccess`: the `AccessControl` of a gateway with keys, limits, budgets and upstream caps in Redis.
+"""`RedisAccess`: the `AccessControl` of a gateway with keys, limits and budgets in Redis. Its `upstream_limiter`
+(a `RedisUpstreamLimiter`, auth/upstream.py) is the `UpstreamLimiter` on the same connection and failure handling.
 
 Hot path: `admit` is one Redis round trip (the `admit_request` script) once the key's id is cached; a key seen
 for the first time costs one extra GET (hash → id). The script is authoritative — revoked, expired, rotated,
@@ -11,7 +12,12 @@ When Redis fails (`StorageError`: unreachable, timed out, or refusing for its ow
 except for keys verified within the cache lifetime; `open` → serve every key this instance has verified before,
 without limits (an unknown key still cannot be verified, so it still gets 503). Every bypass is logged and
 counted. Nothing waits on a dead Redis for longer than the client's socket timeout, and after one failure the
-next `_FAST_FAIL_S` skip Redis entirely.
+next `_FAST_FAIL_S` skip Redis entirely. A Redis that answers but not as the store it should be (a read-only
+replica, a cluster redirection not followed to its end: `StorageError.is_outage` False) is no outage: 503 for
+every key, never a bypass, whatever the failure mode.
+
+On a Redis Cluster the hot path keeps one pipelined connection per node (`auth/cluster_pipe.py`), following MOVED
+and ASK; on Sentinel the client follows the primary (`auth/redis_sentinel.py`).
 
 A script that raises (`ScriptError`) is a bug of ours, not an outage: it is logged once per script and line,
 counted per script (`num_script_errors`), and never opens the fast-fail window or bypasses a limit. An admission
@@ -28,19 +34,21 @@ import hmac
 import logging
 import math
 import time
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from redis.asyncio import ConnectionPool, Redis
-from redis.exceptions import MaxConnectionsError, NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError
 from redis.typing import EncodableT
 
 from auth import redis_names, scripts
-from auth.base import KEY_PREFIX, Admission, Principal, UpstreamLease, model_allowed, wrong_prefix_error
+from auth.base import KEY_PREFIX, Admission, Principal, SettleUsage, model_allowed, wrong_prefix_error
+from auth.cluster_pipe import make_pipe
 from auth.keys import hash_key, new_request_id
-from auth.scripts import DEFAULT_SCRIPTS, AdmitReply, ScriptError, ScriptSet, StorageError, storage_errors
+from auth.redis_client import RedisClient, disconnect_idle, is_writable, subscribe
+from auth.scripts import DEFAULT_SCRIPTS, AdmitReply, ScriptError, ScriptSet, StorageError
 from auth.store import KeyRecord, KeyStore
+from auth.upstream import RedisUpstreamLimiter, cancel_until_done
 from gateway.errors import (
     AuthError,
     BudgetExceededError,
@@ -57,9 +65,6 @@ logger = logging.getLogger("unigate.auth")
 
 _FAST_FAIL_S = 0.5  # after a failure, skip Redis this long instead of paying a timeout on every request
 _MAX_CACHED_KEYS = 10_000
-_POLL_S = 1.0  # an upstream waiter re-checks this often even if no wake-up arrives (a lost hand-off)
-_MAX_WAITERS = 1024  # blocking connections per instance; waiters beyond these poll every _POLL_S
-_HANDOFF_TTL_MS = 5_000  # a slot handed to a waiter that never confirms it frees itself after this
 _MARKER_TTL_MS = 120_000  # a retried settle within 2 min is a no-op (one small key per request, so keep it short)
 _USAGE_RETENTION_S = 400 * 86_400
 _MAX_SETTLE_BATCH = 128  # requests per settle script call (it runs atomically, so keep each call short)
@@ -216,7 +221,7 @@ class RedisAccess:
 
     def __init__(
         self,
-        redis: Redis,
+        redis: RedisClient,
         *,
         config: AccessConfig,
         master_key: str,
@@ -228,8 +233,7 @@ class RedisAccess:
         self._redis = redis
         self._scripts = script_set
         self._store = KeyStore(redis, scripts=script_set)
-        self._pipe = scripts.CommandPipe(redis)  # admit / settle / upstream leases, auto-pipelined
-        self._blocking = _blocking_client(redis, read_timeout_s=_POLL_S + 1.0)
+        self._pipe = make_pipe(redis)  # admit / settle / upstream leases, auto-pipelined (one per cluster node)
         self._master_key = master_key.encode()
         self._master = Principal(key_id=None, name="master", is_master=True)
         self._is_fail_open = config.failure_mode == "open"
@@ -238,8 +242,8 @@ class RedisAccess:
         self._window_ms = int(rate_window_s * 1000)
         self._cache: dict[str, _CachedKey] = {}
         self._redis_down_until = 0.0
+        self._is_down_an_outage = True  # what the last failure was (see `StorageError.is_outage`)
         self._listener: asyncio.Task[None] | None = None
-        self._background: set[asyncio.Task[None]] = set()
         self._open_settles: dict[str, _SettleBatch] = {}
         self._settling: set[asyncio.Task[None]] = set()
         self._is_closing = False
@@ -248,6 +252,10 @@ class RedisAccess:
         self.num_limit_bypasses = 0
         self.num_script_errors: dict[str, int] = {}  # per script name
         self._logged_script_errors: set[tuple[str, int]] = set()
+        # The `UpstreamLimiter` on the same connection, failure handling and counters; closed by `aclose()`.
+        self.upstream_limiter = RedisUpstreamLimiter(
+            redis, self._pipe, failures=self, lease_ttl_ms=self._lease_ttl_ms, script_set=script_set
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -257,42 +265,33 @@ class RedisAccess:
         try:
             await scripts.register_all(self._redis, self._scripts)
         except StorageError as exc:
-            await self._note_failure("register_scripts", exc)
+            await self.note_failure("register_scripts", exc)
         if self._listener is None:
             self._listener = asyncio.create_task(self._listen(), name="unigate-key-events")
 
     async def aclose(self) -> None:
         if self._settling:  # settles already queued are sent, not dropped (each is bounded by the socket timeout)
             await asyncio.wait(set(self._settling), timeout=5.0)
-        self._is_closing = True
-        tasks = {t for t in (self._listener, *self._background) if t is not None}
-        # redis-py can swallow a cancellation that lands while it connects, so cancel again until each task ends
-        # (the listener also checks `_is_closing` at least once a second).
-        deadline = time.monotonic() + 3.0
-        while tasks and time.monotonic() < deadline:
-            for task in tasks:
-                task.cancel()
-            _, tasks = await asyncio.wait(tasks, timeout=0.1)
+        self._is_closing = True  # the listener also checks it at least once a second
+        if self._listener is not None:
+            await cancel_until_done({self._listener}, timeout_s=3.0)
         self._listener = None
+        await self.upstream_limiter.aclose()
         await self._pipe.aclose()
-        await self._blocking.aclose()
 
     async def ping(self) -> bool:
-        """For /health/ready: can Redis be reached right now?"""
-        try:
-            async with storage_errors():
-                return bool(await self._redis.ping())
-        except StorageError:
-            return False
+        """For /health/ready: can Redis be written right now (every primary of a cluster)? A read-only replica, a
+        cluster that is down and a Sentinel failover in progress all say no."""
+        return await is_writable(self._redis)
 
     async def _listen(self) -> None:
         """Drop cached keys on `ug:events`; after any gap in the subscription drop them all (events were missed)."""
         backoff_s = 0.1
         has_subscribed = False
         while not self._is_closing:
-            pubsub = self._redis.pubsub()
+            pubsub = None
             try:
-                await pubsub.subscribe(redis_names.EVENTS_CHANNEL)
+                pubsub = await subscribe(self._redis, redis_names.EVENTS_CHANNEL)
                 if has_subscribed:
                     self._cache.clear()
                 has_subscribed = True
@@ -304,8 +303,9 @@ class RedisAccess:
             except (TimeoutError, RedisError, OSError):
                 pass
             finally:
-                with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                if pubsub is not None:
+                    with contextlib.suppress(RedisError, OSError):
+                        await pubsub.aclose()  # type: ignore[no-untyped-call]
             await asyncio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, 2.0)
 
@@ -333,25 +333,25 @@ class RedisAccess:
     def _is_fresh(self, cached: _CachedKey) -> bool:
         return time.monotonic() - cached.verified_at < self._cache_ttl_s
 
-    # -- Redis failure handling --------------------------------------------------------------------------------
+    # -- Redis failure handling (also the `StorageFailures` of `self.upstream_limiter`) -------------------------
 
-    async def _note_failure(self, operation: str, exc: StorageError) -> None:
+    async def note_failure(self, operation: str, exc: StorageError) -> None:
         """Count and log a failure, fail fast for a moment, and drop idle pooled connections: after a Redis restart
         each of them would fail once more, so recovery would be slow and ragged without this."""
         if isinstance(exc, _FastFailError):
             return  # not a new failure: Redis was not asked
         self.num_storage_errors += 1
+        self._is_down_an_outage = exc.is_outage
         if time.monotonic() >= self._redis_down_until:
             logger.warning(
                 "Redis unavailable during %s; failure mode %s", operation, "open" if self._is_fail_open else "closed"
             )
         self._redis_down_until = time.monotonic() + _FAST_FAIL_S
-        for pool in (self._redis.connection_pool, self._blocking.connection_pool):
-            with contextlib.suppress(RedisError, OSError):
-                await pool.disconnect(inuse_connections=False)
+        await disconnect_idle(self._redis)
+        await self.upstream_limiter.disconnect()
         await self._pipe.disconnect()
 
-    def _note_script_error(self, error: ScriptError, request_id: str) -> None:
+    def note_script_error(self, error: ScriptError, request_id: str) -> None:
         """Count a script error and log it the first time its script and line fail (the detail names both)."""
         self.num_script_errors[error.script] = self.num_script_errors.get(error.script, 0) + 1
         where = (error.script, error.line)
@@ -361,13 +361,19 @@ class RedisAccess:
                 "Lua script %s failed at line %d (request %s): %s", error.script, error.line, request_id, error.detail
             )
 
-    def _check_redis_up(self) -> None:
+    def check_redis_up(self) -> None:
         if time.monotonic() < self._redis_down_until:
-            raise _FastFailError("Redis failed moments ago; not retrying yet.", headers={"retry-after": "1"})
+            error = _FastFailError("Redis failed moments ago; not retrying yet.", headers={"retry-after": "1"})
+            error.is_outage = self._is_down_an_outage
+            raise error
 
-    def _without_redis(self, cached: _CachedKey | None, model: str | None) -> Principal:
-        """The principal to serve without Redis, or 503 `limits_unavailable` when the failure mode forbids it."""
-        if cached is not None and (self._is_fail_open or self._is_fresh(cached)):
+    def note_bypass(self) -> None:
+        self.num_limit_bypasses += 1
+
+    def _without_redis(self, cached: _CachedKey | None, model: str | None, failure: StorageError) -> Principal:
+        """The principal to serve without Redis, or 503 `limits_unavailable` when the failure mode forbids it or
+        Redis did not fail at all (a redirection or a read-only replica answered: see `StorageError.is_outage`)."""
+        if failure.is_outage and cached is not None and (self._is_fail_open or self._is_fresh(cached)):
             cached.check()
             if model is not None and not model_allowed(cached.principal.models, model):
                 raise PermissionDeniedError(
@@ -400,11 +406,11 @@ class RedisAccess:
             cached.check()
             return cached.principal
         try:
-            self._check_redis_up()
+            self.check_redis_up()
             record = await self._store.find_by_secret(credential)
         except StorageError as exc:
-            await self._note_failure("authenticate", exc)
-            return self._without_redis(cached, model=None)
+            await self.note_failure("authenticate", exc)
+            return self._without_redis(cached, None, exc)
         if record is None:
             self._cache.pop(key_hash, None)
             raise _unknown_key_error()
@@ -421,7 +427,7 @@ class RedisAccess:
         cached = self._cache.get(key_hash)
         lease_id = new_request_id()
         try:
-            self._check_redis_up()
+            self.check_redis_up()
             key_id = cached.key_id if cached is not None else await self._store.find_id(key_hash)
             if key_id is None:
                 raise _unknown_key_error()
@@ -438,11 +444,11 @@ class RedisAccess:
                 scripts=self._scripts,
             )
         except ScriptError as error:
-            self._note_script_error(error, request_id)
+            self.note_script_error(error, request_id)
             raise
         except StorageError as exc:
-            await self._note_failure("admit", exc)
-            principal = self._without_redis(cached, model)
+            await self.note_failure("admit", exc)
+            principal = self._without_redis(cached, model, exc)
             return Admission(
                 principal=principal, model=model, lease_id=lease_id, settles_late=True, request_id=request_id
             )
@@ -463,15 +469,7 @@ class RedisAccess:
             request_id=request_id,
         )
 
-    def begin_settle(
-        self,
-        admission: Admission,
-        *,
-        prompt_tokens: int,
-        completion_tokens: int,
-        cost_micros: int = 0,
-        is_priced: bool = False,
-    ) -> Awaitable[None]:
+    def begin_settle(self, admission: Admission, usage: SettleUsage) -> Awaitable[None]:
         """True up the reservation, release the concurrency lease and record usage and spend; queued on the
         command pipe before this returns. Never fails for Redis failures: the reservation then ages out of the
         window and the lease expires.
@@ -489,39 +487,28 @@ class RedisAccess:
         batch = self._open_settles.get(key_id)
         if batch is None or len(batch.items) >= _MAX_SETTLE_BATCH:
             self._open_settles[key_id] = batch = _SettleBatch(key_id)
-            reply = self._pipe.submit(functools.partial(self._settle_command, batch))
-            self._in_background(self._finish_settles(batch, reply), self._settling)
+            build = functools.partial(self._settle_command, batch)
+            reply = self._pipe.submit(build, key=redis_names.key_record(key_id))
+            task = asyncio.ensure_future(self._finish_settles(batch, reply))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
         batch.items.append(
             scripts.SettleItem(
                 request_id=admission.lease_id or new_request_id(),
                 reserved_tokens=admission.reserved_tokens,
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
                 model=admission.model,
-                cost_micros=cost_micros,
-                is_priced=is_priced,
+                cost_micros=usage.cost_micros,
+                is_priced=usage.is_priced,
             )
         )
         batch.request_ids.append(admission.request_id)
         batch.futures.append(future)
         return future
 
-    async def settle(
-        self,
-        admission: Admission,
-        *,
-        prompt_tokens: int,
-        completion_tokens: int,
-        cost_micros: int = 0,
-        is_priced: bool = False,
-    ) -> None:
-        await self.begin_settle(
-            admission,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            cost_micros=cost_micros,
-            is_priced=is_priced,
-        )
+    async def settle(self, admission: Admission, usage: SettleUsage) -> None:
+        await self.begin_settle(admission, usage)
 
     def _close_batch(self, batch: _SettleBatch) -> None:
         if self._open_settles.get(batch.key_id) is batch:
@@ -557,106 +544,11 @@ class RedisAccess:
                 except (TimeoutError, RedisError, OSError) as exc:
                     raise scripts.classify_failure(exc, self._scripts.settle) from exc
             except ScriptError as error:
-                self._note_script_error(error, ",".join(filter(None, batch.request_ids)) or batch.key_id)
+                self.note_script_error(error, ",".join(filter(None, batch.request_ids)) or batch.key_id)
             except StorageError as exc:
-                await self._note_failure("settle", exc)
+                await self.note_failure("settle", exc)
         finally:
             self._close_batch(batch)  # the pipe failed before writing it: nothing more may join
             for future in batch.futures:
                 if not future.done():
                     future.set_result(None)
-
-    async def acquire_upstream(self, deployment: str, *, max_in_flight: int, timeout_s: float) -> UpstreamLease:
-        """Wait in a cluster-wide FIFO for one of `max_in_flight` slots: woken by the releaser through a Redis list
-        (BLPOP), re-checking every `_POLL_S` in case a wake-up was lost. Redis down → no cap (logged, counted)."""
-        if max_in_flight <= 0:
-            return UpstreamLease(deployment=deployment, lease_id=None)
-        lease_id = new_request_id()
-        entry = ""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        wake_key = redis_names.upstream_wake(deployment, lease_id)
-        try:
-            self._check_redis_up()
-            while True:
-                is_held, entry = await scripts.acquire_upstream(
-                    self._pipe,
-                    deployment=deployment,
-                    lease_id=lease_id,
-                    max_in_flight=max_in_flight,
-                    lease_ttl_ms=self._lease_ttl_ms,
-                    wait_timeout_ms=int(timeout_s * 1000) + 1000,
-                    queue_entry=entry,
-                    scripts=self._scripts,
-                )
-                if is_held:
-                    return UpstreamLease(deployment=deployment, lease_id=lease_id)
-                remaining_s = deadline - loop.time()
-                if remaining_s <= 0:
-                    break
-                await self._wait_for_wake(wake_key, max(min(remaining_s, _POLL_S), 0.01))
-        except ScriptError as error:
-            self._note_script_error(error, lease_id)
-            self._in_background(self._withdraw(deployment, lease_id, entry))
-            raise
-        except StorageError as exc:
-            await self._note_failure("acquire_upstream", exc)
-            self.num_limit_bypasses += 1
-            return UpstreamLease(deployment=deployment, lease_id=None)
-        except asyncio.CancelledError:
-            self._in_background(self._withdraw(deployment, lease_id, entry))
-            raise
-        await self._withdraw(deployment, lease_id, entry)
-        raise UnavailableError(
-            f"The upstream for this model is at capacity (max_in_flight={max_in_flight}) and no slot freed up "
-            f"within {timeout_s:g} s. Retry shortly.",
-            code="upstream_at_capacity",
-            headers={"retry-after": "1"},
-        )
-
-    async def _wait_for_wake(self, wake_key: str, timeout_s: float) -> None:
-        try:
-            async with storage_errors():
-                await self._blocking.blpop([wake_key], timeout=timeout_s)
-        except StorageError as exc:
-            if not isinstance(exc.__cause__, MaxConnectionsError):
-                raise
-            await asyncio.sleep(timeout_s)  # more waiters than blocking connections: poll instead
-
-    async def _withdraw(self, deployment: str, lease_id: str, entry: str) -> None:
-        """Leave the queue; a slot handed over in the meantime passes on to the next waiter."""
-        try:
-            await scripts.release_upstream(
-                self._pipe,
-                deployment=deployment,
-                lease_id=lease_id,
-                queue_entry=entry,
-                handoff_ttl_ms=_HANDOFF_TTL_MS,
-                scripts=self._scripts,
-            )
-        except ScriptError as error:
-            self._note_script_error(error, lease_id)
-        except StorageError as exc:
-            await self._note_failure("release_upstream", exc)
-
-    def _in_background(
-        self, coroutine: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]] | None = None
-    ) -> None:
-        tasks = self._background if tasks is None else tasks
-        task = asyncio.ensure_future(coroutine)
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-
-    async def release_upstream(self, lease: UpstreamLease) -> None:
-        if lease.lease_id is not None:
-            await self._withdraw(lease.deployment, lease.lease_id, "")
-
-
-def _blocking_client(redis: Redis, *, read_timeout_s: float) -> Redis:
-    """A second pool on the same server for BLPOP (one connection per waiter, so it is large), whose read
-    timeout must outlast the blocking wait."""
-    pool = redis.connection_pool
-    kwargs = dict(pool.connection_kwargs)
-    kwargs["socket_timeout"] = read_timeout_s
-    blocking_pool = ConnectionPool(connection_class=pool.connection_class, max_connections=_MAX_WAITERS, **kwargs)
-    return Redis.from_pool(blocking_pool)

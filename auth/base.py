@@ -1,10 +1,15 @@
-"""What the gateway asks of access control: who is calling, may they, and settle afterwards.
+"""What the gateway asks of access control (who is calling, may they, settle afterwards) and of the upstream
+limiter (a deployment's cluster-wide `max_in_flight` slots): two seams, two protocols.
 
-The route handler calls, per request:
+The gateway calls, per request:
     credential = extract_credential(headers)            # 401 for missing / malformed headers
     admission = await access.admit(credential, model=..., estimated_tokens=...)   # ONE Redis round trip
-    ... call the backend (holding an upstream lease from acquire_upstream when the deployment has max_in_flight) ...
-    await access.settle(admission, prompt_tokens=..., completion_tokens=...)     # always: success, error, disconnect
+    lease = await upstream.acquire_upstream(deployment, max_in_flight=..., timeout_s=...)   # capped deployments
+    ... call the backend ...
+    await upstream.release_upstream(lease)
+    await access.settle(admission, SettleUsage(prompt_tokens=..., completion_tokens=...))
+
+and settles in every outcome: success, error, disconnect.
 """
 
 from __future__ import annotations
@@ -23,8 +28,11 @@ __all__ = [
     "AccessStats",
     "Admission",
     "MasterKeyAccess",
+    "NoUpstreamLimit",
     "Principal",
+    "SettleUsage",
     "UpstreamLease",
+    "UpstreamLimiter",
     "extract_credential",
     "model_allowed",
 ]
@@ -68,10 +76,20 @@ class Admission:
     request_id: str = ""  # the gateway's request id (x-request-id), for logs
 
 
+@dataclass(frozen=True, slots=True)
+class SettleUsage:
+    """What a finished request really used, to settle its admission with."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cost_micros: int = 0  # integer micro-units of the price currency
+    is_priced: bool = False  # False: the model has no price configured, so it cost 0
+
+
 @dataclass(slots=True)
 class UpstreamLease:
     deployment: str
-    lease_id: str | None
+    lease_id: str | None  # None: no slot was taken (no cap, or the cap could not be checked)
 
 
 class AccessControl(Protocol):
@@ -84,40 +102,30 @@ class AccessControl(Protocol):
         `estimated_tokens` and a concurrency slot. `request_id` only labels logs."""
         ...
 
-    def begin_settle(
-        self,
-        admission: Admission,
-        *,
-        prompt_tokens: int,
-        completion_tokens: int,
-        cost_micros: int = 0,
-        is_priced: bool = False,
-    ) -> Awaitable[None]:
-        """Charge real usage (refunding the reservation's difference) and its cost (integer micro-units of the
-        price currency; `is_priced` False when the model has no price), record usage, release the lease.
-        Idempotent. The settle is queued before this returns (so every admission this instance makes afterwards
-        sees it); await the result for it to be done. Never fails for storage errors."""
+    def begin_settle(self, admission: Admission, usage: SettleUsage) -> Awaitable[None]:
+        """Charge real usage (refunding the reservation's difference) and its cost (`usage.is_priced` False when
+        the model has no price), record usage, release the lease. Idempotent. The settle is queued before this
+        returns (so every admission this instance makes afterwards sees it); await the result for it to be done.
+        Never fails for storage errors."""
         ...
 
-    async def settle(
-        self,
-        admission: Admission,
-        *,
-        prompt_tokens: int,
-        completion_tokens: int,
-        cost_micros: int = 0,
-        is_priced: bool = False,
-    ) -> None:
+    async def settle(self, admission: Admission, usage: SettleUsage) -> None:
         """`begin_settle` and wait for it."""
         ...
+
+    async def aclose(self) -> None: ...
+
+
+class UpstreamLimiter(Protocol):
+    """Caps the requests in flight to each deployment with `max_in_flight`, across every gateway instance."""
 
     async def acquire_upstream(self, deployment: str, *, max_in_flight: int, timeout_s: float) -> UpstreamLease:
         """Wait (fairly) for one of a deployment's cluster-wide `max_in_flight` slots; 503 `upstream_at_capacity`."""
         ...
 
-    async def release_upstream(self, lease: UpstreamLease) -> None: ...
-
-    async def aclose(self) -> None: ...
+    async def release_upstream(self, lease: UpstreamLease) -> None:
+        """Free the lease's slot (handing it to the next waiter). Call once per acquired lease."""
+        ...
 
 
 @runtime_checkable
@@ -193,34 +201,23 @@ class MasterKeyAccess:
         principal = await self.authenticate(credential)
         return Admission(principal=principal, model=model, settles_late=True, request_id=request_id)
 
-    def begin_settle(
-        self,
-        admission: Admission,
-        *,
-        prompt_tokens: int,
-        completion_tokens: int,
-        cost_micros: int = 0,
-        is_priced: bool = False,
-    ) -> Awaitable[None]:
+    def begin_settle(self, admission: Admission, usage: SettleUsage) -> Awaitable[None]:
         admission.is_settled = True
         return _DONE
 
-    async def settle(
-        self,
-        admission: Admission,
-        *,
-        prompt_tokens: int,
-        completion_tokens: int,
-        cost_micros: int = 0,
-        is_priced: bool = False,
-    ) -> None:
-        await self.begin_settle(admission, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+    async def settle(self, admission: Admission, usage: SettleUsage) -> None:
+        await self.begin_settle(admission, usage)
+
+    async def aclose(self) -> None:
+        return None
+
+
+class NoUpstreamLimit:
+    """The `UpstreamLimiter` without shared state (master-key-only gateways): every lease is granted at once and
+    `max_in_flight` is not enforced."""
 
     async def acquire_upstream(self, deployment: str, *, max_in_flight: int, timeout_s: float) -> UpstreamLease:
         return UpstreamLease(deployment=deployment, lease_id=None)
 
     async def release_upstream(self, lease: UpstreamLease) -> None:
-        return None
-
-    async def aclose(self) -> None:
         return None

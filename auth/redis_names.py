@@ -19,7 +19,13 @@ wake-up list) build it from a `*_prefix` below, which carries the same tag.
     ug:{up:<deployment>}:queue       list    FIFO of waiters "<lease id>|<deadline ms>"
     ug:{up:<deployment>}:max         string  the deployment's max_in_flight, for hand-off on release
     ug:{up:<deployment>}:wake:<id>   list    a waiter's wake-up list (BLPOP)
-    ug:events                        pubsub  key-record changes: "<key id>" → drop cached copies
+    ug:{health:<n>}                  string  /health/ready's write probe (expires after a minute); in a cluster
+                                             one per primary, n chosen so that its slot lives there
+    ug:events                        pubsub  key-record changes: "<key id>" → drop cached copies (PUBLISH reaches
+                                             every node of a cluster, so any node may be subscribed to)
+
+The global names (`ug:keys`, `ug:keys:seq`, `ug:keyhash:*`) are only ever used one at a time, never together with
+another key in one script or transaction, so they need no hash tag and live wherever their slot falls.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ __all__ = [
     "KEY_SEQUENCE",
     "MASTER_ID",
     "PREFIX",
+    "health_probe",
     "key_hash_name",
     "key_leases",
     "key_prefix",
@@ -53,6 +60,10 @@ KEY_INDEX = PREFIX + "keys"
 KEY_SEQUENCE = PREFIX + "keys:seq"  # creation counter: the KEY_INDEX score
 EVENTS_CHANNEL = PREFIX + "events"
 MASTER_ID = "master"  # usage of the master key is recorded under this pseudo id
+
+
+def health_probe(n: int) -> str:
+    return f"{PREFIX}{{health:{n}}}"
 
 
 def key_hash_name(key_hash: str) -> str:

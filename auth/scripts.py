@@ -6,9 +6,12 @@ once.
 
 Failures leave this module as one of two types, and the difference matters:
 - `StorageError`: Redis could not be reached, timed out, or refused for a server-side state (read-only replica,
-  out of memory, loading, busy, cluster down). Callers may fall back on their failure mode.
-- `ScriptError`: a script of ours raised (a Lua runtime error) or answered something we cannot parse. That is a
-  bug, never an outage: callers must not skip a limit or enter a "Redis is down" state for it.
+  out of memory, loading, busy, cluster down). Callers may fall back on their failure mode, unless
+  `is_outage` is False: Redis answered, but with a redirection or a role that says "not here" (MOVED or ASK
+  beyond what the cluster pipe follows, TRYAGAIN, READONLY); that is never a reason to skip a limit.
+- `ScriptError`: a script of ours raised (a Lua runtime error), answered something we cannot parse, or named keys
+  of several cluster slots (CROSSSLOT). That is a bug, never an outage: callers must not skip a limit or enter a
+  "Redis is down" state for it.
 
 The time every script reads (`now_ms()`) is Redis' TIME. `ScriptSet(clock_key=...)` builds the same scripts with
 a clock read from a Redis string key instead, for tests that move time across minutes, days and months.
@@ -16,35 +19,45 @@ a clock read from a Redis string key instead, for tests that move time across mi
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
-import math
 import re
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.asyncio.connection import AbstractConnection
-from redis.exceptions import DataError, NoScriptError, RedisError, ResponseError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.typing import EncodableT
 
 from auth import redis_names
+from auth.cluster_pipe import ClusterCommandPipe
+from auth.resp_pipe import CommandPipe
 from gateway.errors import GatewayError, UnavailableError
 
 __all__ = [
     "DEFAULT_SCRIPTS",
     "MAX_TOKENS",
     "AdmitReply",
-    "CommandPipe",
     "LuaScript",
     "ScriptError",
     "ScriptSet",
     "SettleItem",
     "StorageError",
+    "Target",
     "acquire_upstream",
     "admit_request",
     "as_text",
@@ -63,6 +76,12 @@ class StorageError(UnavailableError):
     """Redis could not be reached or answered with an error (never carries the server address)."""
 
     code = "storage_unavailable"
+    # False when Redis answered but not as the store it should be (a redirection or a read-only replica): callers
+    # answer 503 and never bypass a limit for it, whatever the failure mode.
+    is_outage = True
+
+
+Target = Redis | RedisCluster | CommandPipe | ClusterCommandPipe  # what a script can be called on
 
 
 class ScriptError(GatewayError):
@@ -92,179 +111,68 @@ _SCRIPT_LINE = re.compile(r"user_script:(\d+)")
 _SERVER_STATE = re.compile(
     r"(?:^|-)(?:READONLY|OOM|MISCONF|NOREPLICAS|MASTERDOWN|LOADING|BUSY|CLUSTERDOWN|TRYAGAIN|MOVED|ASK|NOPERM)\b"
 )
+# redis-py maps these replies to their own exception classes and strips the code from the message (it keeps it
+# as `status_code`). The first group is a redirection or a role, not an outage.
+_NOT_OUTAGES = frozenset({"READONLY", "TRYAGAIN", "MOVED", "ASK"})
+_SERVER_STATES = _NOT_OUTAGES | {"OOM", "MISCONF", "NOREPLICAS", "MASTERDOWN", "LOADING", "BUSY", "CLUSTERDOWN",
+                                 "NOPERM"}  # fmt: skip
+
+
+_STATE_OF_CLASS: tuple[tuple[type[ResponseError], str], ...] = (
+    (MovedError, "MOVED"),  # before AskError, its base class
+    (AskError, "ASK"),
+    (TryAgainError, "TRYAGAIN"),
+    (ReadOnlyError, "READONLY"),
+    (ClusterDownError, "CLUSTERDOWN"),
+    (OutOfMemoryError, "OOM"),
+    (NoPermissionError, "NOPERM"),
+)
+
+
+def _server_state(exc: ResponseError) -> str | None:
+    """The state an error reply describes ("READONLY", "CLUSTERDOWN", ...), None for any other error."""
+    code = getattr(exc, "status_code", None)
+    if code in _SERVER_STATES:
+        return str(code)
+    for error_class, state in _STATE_OF_CLASS:
+        if isinstance(exc, error_class):
+            return state
+    match = _SERVER_STATE.search(str(exc))
+    return match.group(0).lstrip("-") if match else None
 
 
 def classify_failure(exc: BaseException, script: LuaScript) -> StorageError | ScriptError:
-    """A failed script call as an outage (`StorageError`) or a bug of ours (`ScriptError`)."""
-    if isinstance(exc, ResponseError) and not _SERVER_STATE.search(str(exc)):
-        return ScriptError(script.name, str(exc), line_offset=script.num_prelude_lines)
+    """A failed script call as an outage (`StorageError`), a refusal that is not one (`StorageError` with
+    `is_outage` False) or a bug of ours (`ScriptError`, CROSSSLOT included)."""
+    if isinstance(exc, ResponseError):
+        state = _server_state(exc)
+        if state is None:
+            return ScriptError(script.name, str(exc), line_offset=script.num_prelude_lines)
+        return _storage_error(exc, is_outage=state not in _NOT_OUTAGES)
     if isinstance(exc, ValueError | TypeError | IndexError | KeyError | AttributeError):
         return ScriptError(script.name, f"unreadable reply ({type(exc).__name__}: {exc})")
     return _storage_error(exc)
 
 
-def _storage_error(exc: BaseException) -> StorageError:
-    return StorageError(
+def _storage_error(exc: BaseException, *, is_outage: bool = True) -> StorageError:
+    error = StorageError(
         f"The key store (Redis) is unavailable ({type(exc).__name__}). Retry shortly; if it persists, check "
         "that Redis is running and reachable from the gateway.",
         headers={"retry-after": "1"},
     )
+    error.is_outage = is_outage
+    return error
 
 
 @asynccontextmanager
 async def storage_errors() -> AsyncIterator[None]:
-    """Translate every Redis/socket failure inside the block into `StorageError`."""
+    """Translate every Redis/socket failure inside the block into `StorageError` (with `is_outage` False for a
+    redirection or a read-only replica)."""
     try:
         yield
     except _STORAGE_FAILURES as exc:
-        raise _storage_error(exc) from exc
-
-
-_MAX_WRITE_BUFFER = 64 * 1024  # wait for the socket to drain only past this many unsent bytes
-
-
-def encode_command(args: tuple[EncodableT, ...]) -> bytes:
-    """One command in RESP. redis-py's `pack_command` spent ~10% of the gateway's CPU on the two Lua calls of a
-    request (memoryview chunking, per-argument checks); the arguments here are short ids and numbers."""
-    parts = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        if isinstance(arg, bytes):
-            data = arg
-        elif isinstance(arg, str):
-            data = arg.encode()
-        elif isinstance(arg, int) and not isinstance(arg, bool):
-            data = b"%d" % arg
-        elif isinstance(arg, float):
-            data = repr(arg).encode()
-        else:  # the same refusal as redis-py's encoder (None, bool, other objects)
-            raise DataError(f"Invalid input of type {type(arg).__name__} for a Redis command")
-        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(parts)
-
-
-_Args = Callable[[], tuple[EncodableT, ...]]  # a queued command's arguments, built when its batch is written
-
-
-class CommandPipe:
-    """Commands of the hot path over ONE dedicated connection, auto-pipelined: every command issued while a batch
-    is on the wire is sent with the next batch in one write, and the replies are read back in order.
-
-    Why: with the shared pool each script call paid a pool checkout (lock, condition, readiness probe), a write
-    wrapped in a timeout task and a read, per command; under concurrency the gateway spent about a quarter of its
-    CPU there. One connection in FIFO order also means a command issued after another is executed after it.
-
-    A connection failure or timeout fails every command of the batch (callers see `RedisError`/`OSError`, as from
-    the client); the next batch reconnects. An error reply (e.g. NOSCRIPT) fails only its own command.
-    """
-
-    def __init__(self, redis: Redis) -> None:
-        pool = redis.connection_pool
-        self._connection: AbstractConnection = pool.connection_class(**pool.connection_kwargs)
-        self._timeout_s: float | None = pool.connection_kwargs.get("socket_timeout")
-        self._queue: list[tuple[_Args, asyncio.Future[Any]]] = []
-        self._wakeup: asyncio.Future[None] | None = None
-        self._worker: asyncio.Task[None] | None = None
-        self._is_closing = False
-
-    async def execute(self, *args: EncodableT) -> Any:
-        return await self.submit(lambda: args)
-
-    def submit(self, build_args: Callable[[], tuple[EncodableT, ...]]) -> asyncio.Future[Any]:
-        """Queue a command now, in FIFO order with every other command, whose arguments are built only when its
-        batch is written: until then the caller may still add to it (the settles of one key share one call)."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        self._queue.append((build_args, future))
-        if self._worker is None or self._worker.done():
-            self._worker = loop.create_task(self._run(), name="unigate-redis-pipe")
-        elif self._wakeup is not None and not self._wakeup.done():
-            self._wakeup.set_result(None)
-        return future
-
-    async def evalsha(self, sha: str, num_keys: int, *keys_and_args: EncodableT) -> Any:
-        return await self.execute("EVALSHA", sha, num_keys, *keys_and_args)
-
-    async def script_load(self, source: str) -> Any:
-        return await self.execute("SCRIPT", "LOAD", source)
-
-    async def disconnect(self) -> None:
-        """Drop the connection (after a failure elsewhere: it would fail once more); the next batch reconnects."""
-        if not self._queue and (self._worker is None or self._worker.done()):
-            with contextlib.suppress(RedisError, OSError):
-                await self._connection.disconnect(nowait=True)
-
-    async def aclose(self) -> None:
-        """Finish what was queued, then stop the worker and close the connection."""
-        self._is_closing = True
-        worker, self._worker = self._worker, None
-        if worker is not None:
-            if self._wakeup is not None and not self._wakeup.done():
-                self._wakeup.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await worker
-        with contextlib.suppress(RedisError, OSError):
-            await self._connection.disconnect(nowait=True)
-
-    async def _run(self) -> None:
-        try:
-            await self._serve()
-        finally:
-            queued, self._queue = self._queue, []
-            for _, future in queued:
-                if not future.done():
-                    future.set_exception(RedisError("the Redis command pipe was closed"))
-
-    async def _serve(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            if not self._queue:
-                if self._is_closing:  # a late command after aclose() was served: close again
-                    with contextlib.suppress(RedisError, OSError):
-                        await self._connection.disconnect(nowait=True)
-                    return
-                self._wakeup = loop.create_future()
-                try:
-                    await self._wakeup
-                except asyncio.CancelledError:
-                    if self._queue:
-                        continue  # closing: serve what is still queued first
-                    return
-            batch, self._queue = self._queue, []
-            try:
-                await self._send(batch)
-                await self._read_replies(batch)
-            except BaseException as exc:
-                await self._connection.disconnect(nowait=True)
-                failure = exc if isinstance(exc, Exception) else RedisError("the Redis command pipe was closed")
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(failure)
-                if not isinstance(exc, Exception):
-                    raise
-
-    async def _read_replies(self, batch: list[tuple[_Args, asyncio.Future[Any]]]) -> None:
-        # One deadline for the whole batch instead of redis-py's timeout context around every reply.
-        async with asyncio.timeout(self._timeout_s):
-            for _, future in batch:
-                try:
-                    reply = await self._connection.read_response(timeout=math.inf)
-                except ResponseError as error:  # an error reply: only this command failed
-                    if not future.done():
-                        future.set_exception(error)
-                else:
-                    if not future.done():
-                        future.set_result(reply)
-
-    async def _send(self, batch: list[tuple[_Args, asyncio.Future[Any]]]) -> None:
-        connection = self._connection
-        if not connection.is_connected:
-            await connection.connect()  # type: ignore[no-untyped-call]
-        writer = connection._writer  # one write for the batch, without redis-py's per-call timeout task
-        assert writer is not None
-        writer.write(b"".join([encode_command(build_args()) for build_args, _ in batch]))
-        if writer.transport.get_write_buffer_size() > _MAX_WRITE_BUFFER:
-            async with asyncio.timeout(self._timeout_s):
-                await writer.drain()
+        state = _server_state(exc) if isinstance(exc, ResponseError) else None
+        raise _storage_error(exc, is_outage=state not in _NOT_OUTAGES) from exc
 
 
 _LUA_DIR = Path(__file__).parent / "lua"  # shipped as package data (pyproject: auth = ["lua/*.lua"])
@@ -275,7 +183,8 @@ def _read_lua(name: str) -> str:
 
 
 def _test_clock(clock_key: str) -> str:
-    # Reads a key the script does not declare in KEYS: fine on a standalone test server, never used in production.
+    # Reads a key the script does not declare in KEYS: fine on a standalone test server (a cluster refuses it when
+    # that key's slot lives on another node), never used in production.
     return f"local function now_ms() return tonumber(redis.call('GET', '{clock_key}')) end"
 
 
@@ -290,11 +199,11 @@ class LuaScript:
         self.source = prelude + "\n" + _read_lua(f"{name}.lua")
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
-    async def register(self, redis: Redis | CommandPipe) -> None:
+    async def register(self, redis: Target) -> None:
         async with storage_errors():
             await redis.script_load(self.source)
 
-    async def __call__(self, redis: Redis | CommandPipe, keys: Sequence[str], args: Sequence[EncodableT]) -> Any:
+    async def __call__(self, redis: Target, keys: Sequence[str], args: Sequence[EncodableT]) -> Any:
         # The same translation as `storage_errors()`, inlined (this runs twice per request), except that an error
         # raised by the script itself is a `ScriptError`.
         try:
@@ -326,7 +235,7 @@ class ScriptSet:
 DEFAULT_SCRIPTS = ScriptSet()
 
 
-async def register_all(redis: Redis, scripts: ScriptSet = DEFAULT_SCRIPTS) -> None:
+async def register_all(redis: Redis | RedisCluster, scripts: ScriptSet = DEFAULT_SCRIPTS) -> None:
     for script in scripts.all:
         await script.register(redis)
 
@@ -362,7 +271,7 @@ def clamp_tokens(value: int) -> int:
 
 
 async def admit_request(
-    redis: Redis | CommandPipe,
+    redis: Target,
     *,
     key_id: str,
     key_hash: str,
@@ -473,7 +382,7 @@ def settled_flags(reply: Any, scripts: ScriptSet = DEFAULT_SCRIPTS) -> list[bool
 
 
 async def settle_requests(
-    redis: Redis | CommandPipe,
+    redis: Target,
     *,
     key_id: str,
     items: Sequence[SettleItem],
@@ -496,7 +405,7 @@ def _upstream_keys(deployment: str) -> tuple[str, str, str]:
 
 
 async def acquire_upstream(
-    redis: Redis | CommandPipe,
+    redis: Target,
     *,
     deployment: str,
     lease_id: str,
@@ -516,7 +425,7 @@ async def acquire_upstream(
 
 
 async def release_upstream(
-    redis: Redis | CommandPipe,
+    redis: Target,
     *,
     deployment: str,
     lease_id: str,
@@ -529,7 +438,9 @@ async def release_upstream(
     return int(await scripts.release(redis, _upstream_keys(deployment), args))
 
 
-async def update_key(redis: Redis, *, key_id: str, fields: dict[str, str], scripts: ScriptSet = DEFAULT_SCRIPTS) -> int:
+async def update_key(
+    redis: Target, *, key_id: str, fields: dict[str, str], scripts: ScriptSet = DEFAULT_SCRIPTS
+) -> int:
     """Set `fields` on an existing record and bump its version; 0 when there is no such record."""
     args = [item for pair in fields.items() for item in pair]
     return int(await scripts.update(redis, (redis_names.key_record(key_id),), args))

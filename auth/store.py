@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
-from redis.asyncio import Redis
 
 from auth import redis_names, scripts
 from auth.keys import display_prefix, generate_key, hash_key, is_key_id, new_key_id
+from auth.redis_client import RedisClient, is_cluster
 from auth.scripts import DEFAULT_SCRIPTS, ScriptSet, as_text, storage_errors
 from gateway.errors import InvalidRequestError, NotFoundError
 
@@ -193,9 +193,10 @@ def _add(into: dict[str, list[int]], name: str, row: UsageRow) -> None:
 
 
 class KeyStore:
-    """Key records over one Redis client (decoding is done here; the client may return bytes)."""
+    """Key records over one Redis client, a single server or a cluster (decoding is done here; the client may
+    return bytes)."""
 
-    def __init__(self, redis: Redis, *, scripts: ScriptSet = DEFAULT_SCRIPTS) -> None:
+    def __init__(self, redis: RedisClient, *, scripts: ScriptSet = DEFAULT_SCRIPTS) -> None:
         self.redis = redis
         self.scripts = scripts
 
@@ -231,12 +232,24 @@ class KeyStore:
         async with storage_errors():
             # Listing order = creation order: a counter, since several keys can share one millisecond.
             position = await self.redis.incr(redis_names.KEY_SEQUENCE)
-        async with storage_errors(), self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(redis_names.key_record(key_id), mapping=record)  # type: ignore[arg-type]
-            pipe.set(redis_names.key_hash_name(record["key_hash"]), key_id)
-            pipe.zadd(redis_names.KEY_INDEX, {key_id: position})
-            await pipe.execute()
+            await self._write_new(key_id, record, position)
         return KeyRecord.from_hash(record), secret
+
+    async def _write_new(self, key_id: str, record: dict[str, str], position: int) -> None:
+        """The record, its listing entry and its hash → id lookup: one MULTI on a single server. In a cluster the
+        three live in three slots, so they are written one by one, the lookup last: until then the secret (which
+        nobody has seen yet) matches nothing, and a failure midway leaves at most an unusable record."""
+        record_name, hash_name = redis_names.key_record(key_id), redis_names.key_hash_name(record["key_hash"])
+        if is_cluster(self.redis):
+            await self.redis.hset(record_name, mapping=record)  # type: ignore[arg-type]
+            await self.redis.zadd(redis_names.KEY_INDEX, {key_id: position})
+            await self.redis.set(hash_name, key_id)
+            return
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(record_name, mapping=record)  # type: ignore[arg-type]
+            pipe.zadd(redis_names.KEY_INDEX, {key_id: position})
+            pipe.set(hash_name, key_id)
+            await pipe.execute()
 
     async def get(self, key_id: str) -> KeyRecord:
         raw = await self._hgetall(redis_names.key_record(key_id)) if is_key_id(key_id) else {}

@@ -1,37 +1,34 @@
-"""Backends: the deployments the router sends requests to, built from the routing file by `build_backend`."""
+"""Backends: the deployments the router sends requests to (an OpenAI-compatible upstream, an Anthropic upstream,
+the local engine), each behind the `Backend` protocol with its optional capabilities.
+
+The gateway builds them from the routing file (`gateway.deployments.build_backend`); the upstream ones take a
+`backends.config.UpstreamConfig`.
+"""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING
+from backends.base import (
+    MAX_TOKENS_CLAMPED_KEY,
+    Backend,
+    CountsPromptTokens,
+    Endpoint,
+    FitsOutput,
+    HealthState,
+    Json,
+    OutputLimits,
+    ReportsEngineStats,
+    ReportsHealthState,
+)
 
-from backends.base import Backend, Endpoint, Json
-
-if TYPE_CHECKING:
-    from gateway.routing_config import DeploymentConfig
-    from gateway.settings import Settings
-
-__all__ = ["Backend", "Endpoint", "Json", "build_backend"]
-
-_LAZY = {"local": ("backends.local", "LocalBackend"), "anthropic": ("backends.anthropic", "AnthropicBackend")}
-
-
-def build_backend(deployment: DeploymentConfig, settings: Settings) -> Backend:
-    """One backend per deployment entry. `local` and `anthropic` modules are imported lazily so a gateway that
-    routes only to OpenAI-compatible upstreams never imports torch."""
-    from gateway.routing_config import RoutingConfigError
-
-    if deployment.type == "openai":
-        from backends.openai import OpenAIBackend
-
-        return OpenAIBackend.from_config(deployment, settings)
-    module, cls_name = _LAZY[deployment.type]
-    try:
-        cls = getattr(importlib.import_module(module), cls_name)
-    except (ImportError, AttributeError) as exc:
-        raise RoutingConfigError(
-            f"deployment {deployment.name!r}: `type: {deployment.type}` is not available in this installation "
-            f"({exc}). Use `type: openai`, or install the missing part (for `local`: pip install 'unigate[engine]')."
-        ) from None
-    backend: Backend = cls.from_config(deployment, settings)
-    return backend
+__all__ = [
+    "MAX_TOKENS_CLAMPED_KEY",
+    "Backend",
+    "CountsPromptTokens",
+    "Endpoint",
+    "FitsOutput",
+    "HealthState",
+    "Json",
+    "OutputLimits",
+    "ReportsEngineStats",
+    "ReportsHealthState",
+]

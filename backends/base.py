@@ -3,6 +3,11 @@
 Bodies are plain dicts already parsed by the route (the route rewrites `model` to the deployment's name and
 adds what the backend needs, e.g. `stream_options.include_usage`). Backends raise `gateway.errors` types
 (`BackendError` and subclasses, `EngineError`); they never return error payloads as data.
+
+Optional capabilities are declared here as runtime-checkable protocols (`ReportsHealthState`, `CountsPromptTokens`,
+`FitsOutput`, `ReportsEngineStats`), and the gateway asks for them with `isinstance`, never with `getattr`. Such
+a check costs microseconds: on a per-request path, remember its answer per backend class
+(`gateway.output_limits` does).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ __all__ = [
     "HealthState",
     "Json",
     "OutputLimits",
+    "ReportsEngineStats",
     "ReportsHealthState",
 ]
 
@@ -101,3 +107,12 @@ class FitsOutput(Protocol):
     engine counts the prompt with its tokenizer). The gateway reads the limits to reserve tokens at admission."""
 
     def output_limits(self) -> OutputLimits: ...
+
+
+@runtime_checkable
+class ReportsEngineStats(Protocol):
+    """Optional capability: a backend that runs an engine in this process (the local engine) and reports its
+    state for `/metrics` and `/v1/models`: at least `name` and `loaded`, and once loaded its throughput, memory,
+    `dtype` and `max_model_len`. Called on demand; no I/O."""
+
+    def stats(self) -> dict[str, Any]: ...

@@ -185,7 +185,7 @@ def doctor(
     timeout: Annotated[float, typer.Option(help="Seconds to wait for each answer.")] = 20.0,
 ) -> None:
     """Check base URL, key and model against the server, explaining each failure with its fix."""
-    from gateway.doctor import client_config, diagnose
+    from bench.doctor import client_config, diagnose
 
     console = _console()
     diagnosis = asyncio.run(diagnose(base_url, api_key, model, timeout_s=timeout))

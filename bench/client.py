@@ -23,6 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import orjson
 
+from backends.sse import SSEDecoder
 from bench.http_stream import (
     ConnectError,
     HttpStreamError,
@@ -32,7 +33,6 @@ from bench.http_stream import (
     StreamTimeoutError,
 )
 from bench.workload import BenchRequest
-from gateway.sse import SSEDecoder
 
 __all__ = ["BenchClient", "ProbeResult", "RequestResult", "error_code_of", "server_root"]
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from auth.access import AccessConfig, RedisAccess
+from auth.base import SettleUsage
 from auth.redis_client import EmbeddedRedis, connect
 from auth.store import KeyStore
 
@@ -30,7 +31,7 @@ async def _one(access: RedisAccess, secret: str, admit_ms: list[float], total_ms
     started = time.perf_counter()
     admission = await access.admit(secret, model="bench-model", estimated_tokens=300)
     admitted = time.perf_counter()
-    await access.settle(admission, prompt_tokens=100, completion_tokens=50)
+    await access.settle(admission, SettleUsage(prompt_tokens=100, completion_tokens=50))
     admit_ms.append((admitted - started) * 1000)
     total_ms.append((time.perf_counter() - started) * 1000)
 

@@ -1,4 +1,4 @@
-"""Decode attention on the CPU: the native kernel (`local_engine/layers/cpu_kernels.c`) against the torch path.
+"""Decode attention on the CPU: the native kernel (`local_engine/kernels/cpu/kernels.c`) against the torch path.
 
     python benchmarks/cpu_attention.py [--seqs 24] [--min-len 100] [--max-len 800] [--layers 30]
 
@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from local_engine.layers import cpu_kernels, torch_ops
+from local_engine.kernels import cpu as cpu_kernels
+from local_engine.layers import torch_ops
 from local_engine.model_runner import advise_huge_pages
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from local_engine.layers import cpu_kernels
+from local_engine.kernels import cpu as cpu_kernels
 from local_engine.layers.linear import PackedLinear, is_packing_available
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out) per layer

@@ -1,8 +1,8 @@
 """`create_app(settings)`: the Starlette application, its routes, middleware stack and lifespan.
 
-`app.state` holds `settings`, `access` (an `AccessControl`), `routing` (the parsed routing file), `metrics`,
-`started_at`, and — once the lifespan has started — `router` and `health_prober` (deployment health probes on the
-gateway's own schedule; `/health/ready` reads them).
+`app.state` holds `settings`, `access` (an `AccessControl`), `upstream_limiter` (an `UpstreamLimiter`), `routing`
+(the parsed routing file), `metrics`, `started_at`, and — once the lifespan has started — `router` and
+`health_prober` (deployment health probes on the gateway's own schedule; `/health/ready` reads them).
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.routing import BaseRoute
 
-from auth.base import AccessControl, MasterKeyAccess
-from backends import Backend, build_backend
+from auth.access import RedisAccess
+from auth.base import AccessControl, MasterKeyAccess, NoUpstreamLimit, UpstreamLimiter
+from backends.base import Backend
 from gateway.access_metrics import AccessStatsCollector
+from gateway.deployments import build_backend
 from gateway.engine_metrics import EngineStatsCollector
 from gateway.health_probe import HealthProber
 from gateway.metrics import GatewayMetrics
@@ -44,6 +46,7 @@ def create_app(
     settings: Settings,
     *,
     access: AccessControl | None = None,
+    upstream_limiter: UpstreamLimiter | None = None,
     backends: Mapping[str, Backend] | None = None,
     routing: RoutingConfig | None = None,
     extra_routes: Sequence[BaseRoute] = (),
@@ -54,10 +57,12 @@ def create_app(
     `backends` maps deployment names to ready backends (used instead of building them; the caller owns and
     closes those). `extra_routes` mounts further routes (admin). The lifespan starts `access` (when it has an async
     `start()`), builds the remaining backends and the router, and on shutdown closes backends, then `access`, then
-    runs `on_shutdown` (e.g. stopping an embedded Redis).
+    runs `on_shutdown` (e.g. stopping an embedded Redis). `upstream_limiter` caps each deployment's requests in
+    flight (`max_in_flight`); by default that of a `RedisAccess` (closed with it), else none.
     """
     routing = routing if routing is not None else load_routing_for(settings)
     access = access if access is not None else _default_access(settings)
+    upstream_limiter = upstream_limiter if upstream_limiter is not None else _default_upstream_limiter(access)
     provided = dict(backends or {})
 
     @asynccontextmanager
@@ -107,6 +112,7 @@ def create_app(
     )
     app.state.settings = settings
     app.state.access = access
+    app.state.upstream_limiter = upstream_limiter
     app.state.routing = routing
     app.state.metrics = metrics
     app.state.started_at = time.time()
@@ -118,3 +124,9 @@ def _default_access(settings: Settings) -> AccessControl:
         return MasterKeyAccess(settings.master_key.get_secret_value())
     logger.warning("UNIGATE_MASTER_KEY is not set and no access control was given: no client key will be accepted")
     return MasterKeyAccess(secrets.token_urlsafe(32))
+
+
+def _default_upstream_limiter(access: AccessControl) -> UpstreamLimiter:
+    """The Redis-backed access control's limiter (same connection, failure handling and counters); with any other
+    access control, no cap (`max_in_flight` is enforced through Redis)."""
+    return access.upstream_limiter if isinstance(access, RedisAccess) else NoUpstreamLimit()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from gateway.settings import Settings
 
 __all__ = ["app", "main"]
 
@@ -23,11 +26,9 @@ def serve(
 ) -> None:
     """Start the gateway (flags override the environment)."""
     from gateway.server import run
-    from gateway.settings import Settings
 
     overrides = {k: v for k, v in {"config": config, "host": host, "port": port, "workers": workers}.items() if v}
-    settings = Settings(**overrides)  # type: ignore[arg-type]
-    run(settings)
+    run(_settings(**overrides))
 
 
 engine_app = typer.Typer(name="engine", help="The local inference engine.", no_args_is_help=True)
@@ -43,24 +44,29 @@ def engine_serve(
     api_key: Annotated[str | None, typer.Option(envvar="UNIGATE_ENGINE_API_KEY", help="Require this key.")] = None,
 ) -> None:
     """Serve the local engine alone as an OpenAI-compatible server (route a gateway to it as `type: openai`)."""
-    import uvicorn
-
-    from gateway.engine_server import create_engine_app
-    from gateway.http_limits import protocol_options
+    from gateway.engine_server import serve_engine
     from gateway.logging import configure_logging
-    from gateway.settings import Settings
+    from gateway.routing_config import RoutingConfigError
 
-    settings = Settings()
+    settings = _settings()
     updates = {k: v for k, v in {"model_path": model, "model_id": model_id}.items() if v}
     settings = settings.model_copy(update={"engine": settings.engine.model_copy(update=updates)})
     configure_logging(settings.log_level, settings.log_format)
-    uvicorn.run(
-        create_engine_app(settings, api_key=api_key),
-        host=host,
-        port=port,
-        log_config=None,
-        **protocol_options(settings.max_header_bytes),
-    )
+    try:
+        serve_engine(settings, api_key=api_key, host=host, port=port)
+    except RoutingConfigError as exc:
+        raise SystemExit(f"unigate: {exc}") from None
+
+
+def _settings(**overrides: Any) -> Settings:
+    """The settings from the environment (and `.env`) plus flags; a bad value ends the command here, before
+    anything listens, with a message naming its variable (as a bad routing file does in `gateway.server.run`)."""
+    from gateway.settings import InvalidSettingsError, load_settings
+
+    try:
+        return load_settings(**overrides)
+    except InvalidSettingsError as exc:
+        raise SystemExit(f"unigate: {exc}") from None
 
 
 def _register_command_groups() -> None:

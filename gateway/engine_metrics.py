@@ -8,6 +8,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from backends.base import ReportsEngineStats
 from gateway.router import Router
 
 __all__ = ["EngineStatsCollector", "local_engine_stats"]
@@ -34,14 +35,13 @@ _COUNTERS = {
 
 
 def local_engine_stats(router: Router | None) -> list[dict[str, Any]]:
-    """`stats()` of every deployment whose backend has one (the local engines), with its public model id."""
+    """`stats()` of every deployment whose backend reports them (the local engines), with its public model id."""
     if router is None:
         return []
     result = []
     for deployment in router.deployments:
-        stats = getattr(deployment.backend, "stats", None)
-        if callable(stats):
-            result.append({"model": deployment.config.id, **stats()})
+        if isinstance(deployment.backend, ReportsEngineStats):
+            result.append({"model": deployment.config.id, **deployment.backend.stats()})
     return result
 
 

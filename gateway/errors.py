@@ -19,7 +19,8 @@
     └── ClientDisconnectedError       499 client_disconnected (the client went away; nobody reads the response)
 
 Every class carries its HTTP status, OpenAI `type` and default `code`; raise with a message that tells the
-user what to do. Messages must never contain upstream keys, hostnames from config or tracebacks.
+user what to do. Messages must never contain upstream keys, hostnames from config or tracebacks. Errors raised from
+more than one package have a constructor here (`upstream_malformed`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ __all__ = [
     "anthropic_error_type",
     "render_anthropic",
     "render_openai",
+    "upstream_malformed",
 ]
 
 
@@ -127,6 +129,16 @@ class BackendError(GatewayError):
     status_code = 502
     type = "api_error"
     code = "upstream_error"
+
+
+def upstream_malformed(what: str) -> BackendError:
+    """502 `upstream_malformed_response`: the upstream answered something the gateway cannot forward (`what` says
+    what was wrong with it)."""
+    return BackendError(
+        f"The upstream returned a malformed response: {what}. The gateway did not forward it; retry, and if it "
+        "persists the upstream (or the deployment's base_url) is not OpenAI-compatible.",
+        code="upstream_malformed_response",
+    )
 
 
 class UpstreamTimeoutError(BackendError):

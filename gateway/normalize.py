@@ -10,23 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 from backends.base import Endpoint, Json
-from gateway.errors import BackendError
+from gateway.errors import upstream_malformed
 
-__all__ = ["malformed", "normalize_chunk", "normalize_response"]
-
-
-def malformed(what: str) -> BackendError:
-    return BackendError(
-        f"The upstream returned a malformed response: {what}. The gateway did not forward it; retry, and if it "
-        "persists the upstream (or the deployment's base_url) is not OpenAI-compatible.",
-        code="upstream_malformed_response",
-    )
+__all__ = ["normalize_chunk", "normalize_response"]
 
 
 def normalize_response(endpoint: Endpoint, body: Any) -> Json:
     """Check a non-streaming response of `endpoint`; returns it (repaired in place) or raises."""
     if not isinstance(body, dict):
-        raise malformed(f"the body is a JSON {type(body).__name__}, not an object")
+        raise upstream_malformed(f"the body is a JSON {type(body).__name__}, not an object")
     if endpoint == "embeddings":
         _check_embeddings(body)
     elif endpoint in ("chat/completions", "completions"):
@@ -40,7 +32,7 @@ def normalize_response(endpoint: Endpoint, body: Any) -> Json:
 def normalize_chunk(endpoint: Endpoint, chunk: Any) -> Json:
     """Check one streamed chunk; an empty `choices` list is valid (the final usage chunk)."""
     if not isinstance(chunk, dict):
-        raise malformed(f"a stream chunk is a JSON {type(chunk).__name__}, not an object")
+        raise upstream_malformed(f"a stream chunk is a JSON {type(chunk).__name__}, not an object")
     if endpoint in ("chat/completions", "completions"):
         choices = _choices(chunk, allow_empty=True)
         is_chat = endpoint == "chat/completions"
@@ -51,33 +43,33 @@ def normalize_chunk(endpoint: Endpoint, chunk: Any) -> Json:
 
 def _choices(body: Json, *, allow_empty: bool) -> list[Any]:
     if "choices" not in body:
-        raise malformed("it has no `choices` field")
+        raise upstream_malformed("it has no `choices` field")
     choices = body["choices"]
     if not isinstance(choices, list):
-        raise malformed(f"`choices` is a {type(choices).__name__}, not a list")
+        raise upstream_malformed(f"`choices` is a {type(choices).__name__}, not a list")
     if not choices and not allow_empty:
-        raise malformed("`choices` is empty")
+        raise upstream_malformed("`choices` is empty")
     return choices
 
 
 def _check_choice(choice: Any, position: int, *, is_chat: bool, is_chunk: bool) -> None:
     where = f"choices[{position}]"
     if not isinstance(choice, dict):
-        raise malformed(f"`{where}` is a {type(choice).__name__}, not an object")
+        raise upstream_malformed(f"`{where}` is a {type(choice).__name__}, not an object")
     if "index" not in choice:
         choice["index"] = position
     elif not isinstance(choice["index"], int):
-        raise malformed(f"`{where}.index` is not an integer")
+        raise upstream_malformed(f"`{where}.index` is not an integer")
     finish_reason = choice.get("finish_reason")
     if finish_reason is not None and not isinstance(finish_reason, str):
-        raise malformed(f"`{where}.finish_reason` is not a string")
+        raise upstream_malformed(f"`{where}.finish_reason` is not a string")
     if is_chat:
         field = "delta" if is_chunk else "message"
         if field not in choice:
             if is_chunk and finish_reason is not None:
                 choice["delta"] = {}  # a closing chunk that only carries finish_reason
                 return
-            raise malformed(f"`{where}` has no `{field}`")
+            raise upstream_malformed(f"`{where}` has no `{field}`")
         _check_message(choice[field], f"{where}.{field}", is_chunk=is_chunk)
         if not is_chunk and "finish_reason" not in choice:
             choice["finish_reason"] = "tool_calls" if choice[field].get("tool_calls") else "stop"
@@ -85,20 +77,20 @@ def _check_choice(choice: Any, position: int, *, is_chat: bool, is_chunk: bool) 
         text = choice.get("text")
         if not isinstance(text, str):
             kind = "missing" if text is None else f"a {type(text).__name__}"
-            raise malformed(f"`{where}.text` is {kind}, not a string")
+            raise upstream_malformed(f"`{where}.text` is {kind}, not a string")
         if not is_chunk and "finish_reason" not in choice:
             choice["finish_reason"] = "stop"
 
 
 def _check_message(message: Any, where: str, *, is_chunk: bool) -> None:
     if not isinstance(message, dict):
-        raise malformed(f"`{where}` is a {type(message).__name__}, not an object")
+        raise upstream_malformed(f"`{where}` is a {type(message).__name__}, not an object")
     tool_calls = message.get("tool_calls")
     if tool_calls is not None and not isinstance(tool_calls, list):
-        raise malformed(f"`{where}.tool_calls` is a {type(tool_calls).__name__}, not a list")
+        raise upstream_malformed(f"`{where}.tool_calls` is a {type(tool_calls).__name__}, not a list")
     content = message.get("content")
     if content is not None and not isinstance(content, (str, list)):
-        raise malformed(f"`{where}.content` is a {type(content).__name__}, not a string")
+        raise upstream_malformed(f"`{where}.content` is a {type(content).__name__}, not a string")
     if is_chunk:
         return
     if "role" not in message:
@@ -107,16 +99,16 @@ def _check_message(message: Any, where: str, *, is_chunk: bool) -> None:
         if tool_calls or message.get("refusal") is not None:
             message["content"] = None
         else:
-            raise malformed(f"`{where}` has neither `content` nor `tool_calls`")
+            raise upstream_malformed(f"`{where}` has neither `content` nor `tool_calls`")
 
 
 def _check_embeddings(body: Json) -> None:
     data = body.get("data")
     if not isinstance(data, list):
         kind = "missing" if data is None else f"a {type(data).__name__}"
-        raise malformed(f"`data` is {kind}, not a list of embeddings")
+        raise upstream_malformed(f"`data` is {kind}, not a list of embeddings")
     for position, item in enumerate(data):
         if not isinstance(item, dict) or not isinstance(item.get("embedding"), (list, str)):
-            raise malformed(f"`data[{position}].embedding` is missing or not a list")
+            raise upstream_malformed(f"`data[{position}].embedding` is missing or not a list")
         if "index" not in item:
             item["index"] = position

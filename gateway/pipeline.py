@@ -26,12 +26,12 @@ from typing import Any
 
 from starlette.requests import Request
 
-from auth.base import AccessControl, Admission, UpstreamLease, extract_credential
+from auth.base import AccessControl, Admission, SettleUsage, UpstreamLease, UpstreamLimiter, extract_credential
 from backends.base import Endpoint, Json
 from gateway.disconnect import unless_disconnected
-from gateway.errors import GatewayError, InvalidRequestError, UpstreamTimeoutError
+from gateway.errors import GatewayError, InvalidRequestError, UpstreamTimeoutError, upstream_malformed
 from gateway.metrics import GatewayMetrics
-from gateway.normalize import malformed, normalize_chunk, normalize_response
+from gateway.normalize import normalize_chunk, normalize_response
 from gateway.output_limits import (
     CLAMP_HEADER,
     clamp_for_upstream,
@@ -57,6 +57,7 @@ async def open_call(request: Request, *, endpoint: Endpoint, body: Json, model: 
     """Authenticate and admit the caller, resolve `model`, and (streaming) open the upstream stream."""
     state = request.app.state
     access: AccessControl = state.access
+    limiter: UpstreamLimiter = state.upstream_limiter
     router: Router = state.router
     settings: Settings = state.settings
     credential = extract_credential(request.headers)
@@ -86,6 +87,7 @@ async def open_call(request: Request, *, endpoint: Endpoint, body: Json, model: 
     scope_state["model"] = target.model_id
     call = Call(
         access=access,
+        limiter=limiter,
         router=router,
         settings=settings,
         metrics=state.metrics,
@@ -113,6 +115,7 @@ class Call:
         self,
         *,
         access: AccessControl,
+        limiter: UpstreamLimiter,
         router: Router,
         settings: Settings,
         metrics: GatewayMetrics,
@@ -125,6 +128,7 @@ class Call:
         started_at: float,
     ) -> None:
         self.access = access
+        self.limiter = limiter  # the deployments' max_in_flight slots
         self.router = router
         self.settings = settings
         self.metrics = metrics
@@ -282,7 +286,7 @@ class Call:
             try:
                 first = await anext(upstream)
             except StopAsyncIteration:
-                raise malformed("the stream ended before its first chunk") from None
+                raise upstream_malformed("the stream ended before its first chunk") from None
             self._note_clamp(take_backend_clamp(first) if isinstance(first, dict) else None, clamped)
             first = normalize_chunk(self.endpoint, first)
         except BaseException as error:
@@ -328,13 +332,13 @@ class Call:
         if max_in_flight is None:
             return None
         timeout_s = deployment.config.pool_timeout or self.settings.limits.pool_timeout_s
-        return await self.access.acquire_upstream(deployment.name, max_in_flight=max_in_flight, timeout_s=timeout_s)
+        return await self.limiter.acquire_upstream(deployment.name, max_in_flight=max_in_flight, timeout_s=timeout_s)
 
     async def _release(self, lease: UpstreamLease | None) -> None:
         if lease is None:
             return
         try:
-            await self.access.release_upstream(lease)
+            await self.limiter.release_upstream(lease)
         except Exception:
             logger.exception("could not release upstream lease for %s", lease.deployment)
 
@@ -382,13 +386,13 @@ class Call:
             self.metrics.count_tokens(self.model, num_prompt, num_completion)
         pricing = self._pricing()
         try:
-            self._settling = self.access.begin_settle(
-                self.admission,
+            settled = SettleUsage(
                 prompt_tokens=num_prompt,
                 completion_tokens=num_completion,
                 cost_micros=pricing.cost_micros(num_prompt, num_completion) if pricing is not None else 0,
                 is_priced=pricing is not None,
             )
+            self._settling = self.access.begin_settle(self.admission, settled)
         except Exception:
             logger.exception("could not settle usage for request %s", self.request_id)
         return self._settling

@@ -5,7 +5,9 @@ Shutdown on SIGTERM / SIGINT, in order:
   2. in-flight requests and streams may finish for `settings.shutdown_grace_s`;
   3. at the deadline the remaining request tasks are cancelled: a stream cut this way ends with an SSE error
      event (`server_shutting_down`) and `data: [DONE]`, never silently (`gateway.sse.EventStreamResponse`);
-  4. the lifespan closes upstream pools / engines and access control (Redis).
+  4. the lifespan closes upstream pools / engines and access control (Redis);
+  5. with several workers, once they have exited, the parent stops the engine processes they shared (one per
+     local deployment, `gateway.engine_process`), then the embedded Redis it started.
 """
 
 from __future__ import annotations
@@ -14,23 +16,28 @@ import gc
 import importlib.util
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import uvicorn
 from pydantic import SecretStr
 from starlette.applications import Starlette
 
-from gateway.app import create_app
+from gateway.app import create_app, load_routing_for
 from gateway.http_limits import protocol_options
 from gateway.logging import configure_logging
 from gateway.routing_config import RoutingConfigError
-from gateway.settings import Settings
+from gateway.settings import InvalidSettingsError, Settings, load_settings
+
+if TYPE_CHECKING:
+    from gateway.engine_process import EngineSupervisor
 
 __all__ = ["app_from_env", "build_app", "run", "uvicorn_config"]
 
-# The parent process hands its fully resolved settings (CLI flags included) to worker processes here.
+# The parent process hands its fully resolved settings (CLI flags included) to worker processes here, and the
+# sockets of the engine processes serving their local deployments (`Settings.engine_sockets`).
 _SETTINGS_ENV = "UNIGATE__RESOLVED_SETTINGS"
+_ENGINE_SOCKETS_ENV = "UNIGATE__ENGINE_SOCKETS"
 
 
 def build_app(settings: Settings) -> Starlette:
@@ -52,7 +59,13 @@ def build_app(settings: Settings) -> Starlette:
         lease_ttl_s=settings.limits.lease_ttl_s,
     )
     access = RedisAccess(redis, config=config, master_key=master_key)
-    app = create_app(settings, access=access, extra_routes=admin_routes(), on_shutdown=[connection.stop])
+    app = create_app(
+        settings,
+        access=access,
+        upstream_limiter=access.upstream_limiter,
+        extra_routes=admin_routes(),
+        on_shutdown=[connection.stop],
+    )
     app.state.key_store = KeyStore(redis)
     app.state.master_key = master_key
     return app
@@ -61,7 +74,13 @@ def build_app(settings: Settings) -> Starlette:
 def app_from_env() -> Starlette:
     """uvicorn factory used in every worker: rebuilds the parent's settings and the app."""
     raw = os.environ.get(_SETTINGS_ENV)
-    settings = Settings(**orjson.loads(raw)) if raw else Settings()
+    try:
+        settings = load_settings(**orjson.loads(raw)) if raw else load_settings()
+    except InvalidSettingsError as exc:  # started as a bare uvicorn factory, without `unigate serve`
+        raise SystemExit(f"unigate: {exc}") from None
+    sockets = os.environ.get(_ENGINE_SOCKETS_ENV)
+    if sockets:
+        settings = settings.with_engine_sockets(orjson.loads(sockets))
     configure_logging(settings.log_level, settings.log_format)
     app = build_app(settings)
     # The objects built so far live as long as the worker: move them out of the collector's sight, and collect
@@ -111,18 +130,39 @@ def run(settings: Settings) -> None:
         embedded = EmbeddedRedis(settings.data_dir)
         settings = settings.model_copy(update={"redis_url": embedded.start()})
     os.environ[_SETTINGS_ENV] = orjson.dumps(_resolved(settings)).decode()
+    os.environ.pop(_ENGINE_SOCKETS_ENV, None)
     config = uvicorn_config(settings)
+    engines: EngineSupervisor | None = None
     try:
         if settings.workers > 1:
             from uvicorn.supervisors import Multiprocess
 
             sock = config.bind_socket()
+            engines = _start_engines(settings)
             Multiprocess(config, sockets=[sock]).run()
         else:
             uvicorn.Server(config).run()
     finally:
+        if engines is not None:
+            engines.stop()  # after the workers, which may have been streaming from them
         if embedded is not None:
             embedded.stop()
+
+
+def _start_engines(settings: Settings) -> EngineSupervisor | None:
+    """One engine process per local deployment, shared by the workers (`gateway.engine_process`); the workers
+    learn their sockets from `_ENGINE_SOCKETS_ENV`."""
+    from gateway.engine_process import EngineStartError, EngineSupervisor
+
+    engines = EngineSupervisor.for_routing(load_routing_for(settings), settings.data_dir, os.environ[_SETTINGS_ENV])
+    if engines is None:
+        return None
+    try:
+        engines.start()
+    except EngineStartError as exc:
+        raise SystemExit(f"unigate: {exc}") from None
+    os.environ[_ENGINE_SOCKETS_ENV] = orjson.dumps(engines.sockets).decode()
+    return engines
 
 
 def _resolved(settings: Settings) -> dict[str, Any]:

@@ -9,41 +9,36 @@ from __future__ import annotations
 
 from ipaddress import ip_network
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, field_validator
+import pydantic_settings
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-__all__ = ["EngineSettings", "LimitSettings", "Settings"]
+from local_engine.config import EngineConfig
+
+__all__ = ["EngineSettings", "InvalidSettingsError", "LimitSettings", "Settings", "load_settings"]
 
 
-class EngineSettings(BaseModel):
-    """The embedded local engine (`type: local` deployments and the bundled default model)."""
+class EngineSettings(EngineConfig):
+    """The embedded local engine (`type: local` deployments and the bundled default model): the engine's run
+    options (`local_engine.config.EngineConfig`, declared and validated there) plus what only the gateway uses."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
 
     enabled: bool = True  # serve the bundled model when no routing file names any model
     model_path: str | None = None  # HF directory or GGUF file; None = the bundled SmolLM2-135M-Instruct
     model_id: str = "smollm2-135m-instruct"
     aliases: list[str] = Field(default_factory=lambda: ["local"])
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None = derive from gpu_memory_utilization / a CPU default
-    gpu_memory_utilization: float = 0.90
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
     # The output limit of a request that sets none (Codex CLI sends none), so a turn ends in bounded time; a
     # deployment's `default_max_tokens` overrides it. 0 = none: generate until EOS or the context is full.
     default_max_tokens: int = Field(default=1024, ge=0)
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # disable CUDA graphs
-    pack_cpu_weights: bool = True  # CPU: oneDNN GEMMs on pre-packed weights (False: plain torch.nn.Linear)
-    cpu_kernels: bool = True  # CPU: decode attention and rotary in C kernels built at start-up (False: torch)
-    cpu_fused_decode: bool = True  # CPU, with cpu_kernels: a decode step's decoder stack in one native call
-    cpu_gguf_blocks: bool = True  # CPU, with cpu_kernels: decode projections read a GGUF's Q4_1/Q8_0 blocks as stored
     # While the model loads, a request waits this long for it, then gets 503 engine_loading with Retry-After.
     load_wait_s: float = Field(default=30.0, ge=0)
+
+    def engine_config(self) -> EngineConfig:
+        """The run options the engine takes (these settings without the gateway's fields)."""
+        return EngineConfig.of(self)
 
 
 class LimitSettings(BaseModel):
@@ -101,6 +96,21 @@ class Settings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
 
+    # Not a setting: `unigate serve --workers N` hands it to its workers (gateway.server): the local deployments
+    # served by this host's engine process, by name, and the Unix socket each one listens on.
+    _engine_sockets: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @property
+    def engine_sockets(self) -> dict[str, str]:
+        """Local deployment name → the Unix socket of the engine process serving it (none: engines in-process)."""
+        return dict(self._engine_sockets)
+
+    def with_engine_sockets(self, sockets: dict[str, str]) -> Settings:
+        """A copy whose local deployments in `sockets` are served by the engine processes listening there."""
+        copy = self.model_copy()
+        copy._engine_sockets = dict(sockets)
+        return copy
+
     @field_validator("metrics_allow", mode="before")
     @classmethod
     def _split_networks(cls, value: object) -> object:
@@ -117,3 +127,62 @@ class Settings(BaseSettings):
             return self.config
         default = Path("unigate.yaml")
         return default if default.exists() else None
+
+
+class InvalidSettingsError(ValueError):
+    """Settings a server cannot start with; the message names each environment variable and says the fix."""
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """`Settings(**overrides)` for an entry point: a bad value raises `InvalidSettingsError`, whose message names
+    the variable (e.g. `UNIGATE_ENGINE__BLOCK_SIZE=24: block_size must be a positive power of two (e.g. 16 or
+    32)`), so the CLI can print it and exit before anything listens."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise InvalidSettingsError(describe_settings_error(exc)) from None
+    except pydantic_settings.SettingsError as exc:  # a value that is not the JSON its field needs
+        cause = f" ({exc.__cause__})" if exc.__cause__ is not None else ""
+        raise InvalidSettingsError(
+            f"{exc}{cause}: list and object settings take JSON, e.g. UNIGATE_ENGINE__ALIASES='[\"local\"]'"
+        ) from None
+
+
+def describe_settings_error(exc: ValidationError) -> str:
+    """One line per error: `UNIGATE_<LOC joined by __>=<value>: <message>`."""
+    lines = list(dict.fromkeys(_describe_one(error) for error in exc.errors()))
+    if len(lines) == 1:
+        return lines[0]
+    return "invalid settings:\n" + "\n".join(f"  - {line}" for line in lines)
+
+
+_MAX_SHOWN_CHARS = 80
+
+
+def _describe_one(error: Any) -> str:
+    path, is_secret = _setting_path(tuple(error["loc"]))
+    name = "UNIGATE_" + "__".join(path).upper() if path else "settings"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    value = error.get("input")
+    if path and len(path) == len(error["loc"]) and not is_secret and isinstance(value, str | int | float | bool):
+        shown = str(value)
+        if len(shown) > _MAX_SHOWN_CHARS:
+            shown = shown[:_MAX_SHOWN_CHARS] + "..."
+        return f"{name}={shown}: {message}"
+    return f"{name}: {message}"
+
+
+def _setting_path(loc: tuple[int | str, ...]) -> tuple[list[str], bool]:
+    """The leading part of `loc` that names settings fields (not list indexes or union branches), and whether the
+    last of them holds a secret (its value is never printed)."""
+    model: type[BaseModel] | None = Settings
+    path: list[str] = []
+    is_secret = False
+    for part in loc:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            break
+        path.append(part)
+        annotation = model.model_fields[part].annotation
+        is_secret = "SecretStr" in str(annotation)
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return path, is_secret

@@ -1,19 +1,27 @@
-"""Edge validation of the sampling fields that upstreams and the local engine act on, per route family.
+"""Edge validation of the request fields every route family shares, one validator per concept.
 
+    require_model(body)       `model`, on every route
     check_chat(body)          /v1/chat/completions
     check_completions(body)   /v1/completions
     check_messages(body)      /v1/messages
     check_responses(body)     /v1/responses
 
-Each looks up only the fields in its table (one dict lookup each; `null` means unset), never walks, copies or
-re-serializes the body, and raises `InvalidRequestError` (400 `invalid_request`, `param` = the field) on the
-first wrong type or range. Ranges are OpenAI's (Anthropic's for /v1/messages); the limits below are documented
-in docs/api-limits.md.
+The families name some concepts differently (the output limit is `max_tokens`, `max_completion_tokens` or
+`max_output_tokens`; stop strings are `stop` or `stop_sequences`; Anthropic's end user is `metadata.user_id`), so
+each family has a table from its field names to the concept validators below: the same bad value is refused by
+every family with the same `code`, and `param` names the field as that family's client sent it. Ranges are
+OpenAI's (Anthropic's for /v1/messages); the limits are documented in docs/api-limits.md.
+
+Each check looks up only the fields in its table (one dict lookup each; `null` means unset) and looks one level
+into a list or object at most (`tools`, `metadata`); it never copies or re-serializes the body, and raises
+`InvalidRequestError` (400 `invalid_request`; `unsupported_parameter` for `n` above 1 where the family returns
+one answer) on the first wrong type or range.
 """
 
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,6 +42,7 @@ __all__ = [
     "check_completions",
     "check_messages",
     "check_responses",
+    "require_model",
 ]
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit on `stop`; applied to Anthropic's `stop_sequences` too
@@ -46,9 +55,21 @@ MAX_COMPLETION_LOGPROBS = 5  # legacy /v1/completions `logprobs`
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_TOKEN_ID = 2**31 - 1
+_MAX_PARAM_KEY_CHARS = 64  # a `metadata` key longer than this (OpenAI's limit) is not repeated in `param`
 _INT64 = (-(2**63), 2**63 - 1)  # `seed`
 
 _Check = Callable[[str, Any], None]
+
+
+def require_model(body: Mapping[str, Any]) -> str:
+    """`model`, which every family requires: a non-empty string."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        what = "missing" if model is None else "not a non-empty string"
+        raise InvalidRequestError(
+            f"`model` is {what}. Set it to a model ID from GET /v1/models.", code="invalid_request", param="model"
+        )
+    return model
 
 
 def check_chat(body: Mapping[str, Any]) -> None:
@@ -78,14 +99,22 @@ def _invalid(name: str, rule: str, value: Any) -> InvalidRequestError:
     return InvalidRequestError(f"`{name}` must be {rule} (got {_show(value)}).", code="invalid_request", param=name)
 
 
+_REPR = reprlib.Repr()  # a nested value is shown a few levels deep (`repr` would recurse through all of them)
+_REPR.maxlevel = 3
+_REPR.maxstring = _REPR.maxother = 40
+
+
 def _show(value: Any) -> str:
-    """The offending value for the message, cut short: it is caller input of any size."""
-    text = repr(value)
+    """The offending value for the message, cut short: it is caller input of any size and depth."""
+    text = _REPR.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ---------------------------------------------------------------- validators, one per kind of value
 
 
 def _number(low: float, high: float, *, is_low_open: bool = False) -> _Check:
@@ -115,6 +144,11 @@ def _boolean(name: str, value: Any) -> None:
         raise _invalid(name, "true or false", value)
 
 
+def _string(name: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise _invalid(name, "a string", value)
+
+
 def _top_k(name: str, value: Any) -> None:
     if not _is_int(value) or not (value in (-1, 0) or 1 <= value <= MAX_TOP_K):
         raise _invalid(name, f"an integer: -1 or 0 (off), or 1 to {MAX_TOP_K}", value)
@@ -129,6 +163,7 @@ def _stop_string(name: str, value: Any, where: str) -> None:
 
 
 def _stop_list(name: str, value: Any) -> None:
+    """Anthropic's `stop_sequences`: a list of strings."""
     if not isinstance(value, list) or len(value) > MAX_STOP_SEQUENCES:
         raise _invalid(name, f"a list of at most {MAX_STOP_SEQUENCES} strings", value)
     for index, item in enumerate(value):
@@ -143,6 +178,53 @@ def _stop(name: str, value: Any) -> None:
         _stop_list(name, value)
     else:
         raise _invalid(name, f"a string or a list of at most {MAX_STOP_SEQUENCES} strings", value)
+
+
+def _single_choice(name: str, value: Any) -> None:
+    """`n` where the family returns one answer (Messages, Responses): 1, or left out."""
+    _N(name, value)
+    if value != 1:
+        raise InvalidRequestError(
+            f"`{name}` must be 1 here: this API returns one answer per request (got {value}).",
+            code="unsupported_parameter",
+            param=name,
+        )
+
+
+def _tools(name: str, value: Any) -> None:
+    """The shape every family shares: a list of objects (each family's translation checks their fields)."""
+    if not isinstance(value, list):
+        raise _invalid(name, "a list of tool objects", value)
+    for index, tool in enumerate(value):
+        if not isinstance(tool, dict):
+            raise _invalid(f"{name}[{index}]", "a tool object", tool)
+
+
+_OPENAI_TOOL_CHOICES = ("none", "auto", "required")
+
+
+def _openai_tool_choice(name: str, value: Any) -> None:
+    rule = '"none", "auto", "required" or an object with a string `type`'
+    if isinstance(value, str):
+        if value not in _OPENAI_TOOL_CHOICES:
+            raise _invalid(name, rule, value)
+    elif not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise _invalid(name, rule, value)
+
+
+def _anthropic_tool_choice(name: str, value: Any) -> None:
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise _invalid(name, 'an object with a string `type` ("auto", "any", "tool" or "none")', value)
+
+
+def _metadata(name: str, value: Any) -> None:
+    """An object of string values (OpenAI's `metadata`; Anthropic's, whose `user_id` is the end user)."""
+    if not isinstance(value, dict):
+        raise _invalid(name, "an object of string values", value)
+    for key, item in value.items():
+        if item is not None and not isinstance(item, str):
+            param = f"{name}.{key}" if len(key) <= _MAX_PARAM_KEY_CHARS else name
+            raise _invalid(param, "a string", item)
 
 
 def _token_ids(name: str, value: Any) -> None:
@@ -168,18 +250,27 @@ def _logit_bias(name: str, value: Any) -> None:
             raise _invalid(name, rule, bias)
 
 
-_MAX_TOKENS = _integer(1, MAX_TOKENS)
-_OPENAI_SAMPLING: dict[str, _Check] = {
+# ---------------------------------------------------------------- the concepts, and each family's names for them
+
+_OUTPUT_LIMIT = _integer(1, MAX_TOKENS)  # max_tokens / max_completion_tokens / max_output_tokens
+_OPENAI_TEMPERATURE = _number(0, 2)
+_ANTHROPIC_TEMPERATURE = _number(0, 1)
+_TOP_P = _number(0, 1)
+_N = _integer(1, MAX_N)
+_SEED = _integer(*_INT64)
+
+_OPENAI_COMMON: dict[str, _Check] = {
     "stream": _boolean,
-    "temperature": _number(0, 2),
-    "top_p": _number(0, 1),
+    "temperature": _OPENAI_TEMPERATURE,
+    "top_p": _TOP_P,
     "presence_penalty": _number(-2, 2),
     "frequency_penalty": _number(-2, 2),
-    "n": _integer(1, MAX_N),
-    "seed": _integer(*_INT64),
+    "n": _N,
+    "seed": _SEED,
     "stop": _stop,
-    "max_tokens": _MAX_TOKENS,
+    "max_tokens": _OUTPUT_LIMIT,
     "logit_bias": _logit_bias,
+    "user": _string,
     # vLLM-style extensions the local engine (and vLLM / SGLang upstreams) read:
     "top_k": _top_k,
     "min_p": _number(0, 1),
@@ -188,29 +279,50 @@ _OPENAI_SAMPLING: dict[str, _Check] = {
     "stop_token_ids": _token_ids,
 }
 _CHAT: dict[str, _Check] = {
-    **_OPENAI_SAMPLING,
-    "max_completion_tokens": _MAX_TOKENS,
+    **_OPENAI_COMMON,
+    "max_completion_tokens": _OUTPUT_LIMIT,
     "logprobs": _boolean,
     "top_logprobs": _integer(0, MAX_TOP_LOGPROBS),
+    "tools": _tools,
+    "tool_choice": _openai_tool_choice,
+    "parallel_tool_calls": _boolean,
+    "metadata": _metadata,
 }
 _COMPLETIONS: dict[str, _Check] = {
-    **_OPENAI_SAMPLING,
+    **_OPENAI_COMMON,
     "logprobs": _integer(0, MAX_COMPLETION_LOGPROBS),
     "best_of": _integer(1, MAX_N),
     "echo": _boolean,
 }
+# Messages and Responses have no `n` or `seed` (nor Responses `stop`, `top_k`): a client's are checked the same way
+# and carried over by the translation to chat completions, except `n`, which may only be 1 (one answer per request).
 _MESSAGES: dict[str, _Check] = {
     "stream": _boolean,
-    "max_tokens": _MAX_TOKENS,
-    "temperature": _number(0, 1),
-    "top_p": _number(0, 1),
+    "max_tokens": _OUTPUT_LIMIT,
+    "temperature": _ANTHROPIC_TEMPERATURE,
+    "top_p": _TOP_P,
     "top_k": _top_k,
     "stop_sequences": _stop_list,
+    "n": _single_choice,
+    "seed": _SEED,
+    "tools": _tools,
+    "tool_choice": _anthropic_tool_choice,
+    "metadata": _metadata,  # `metadata.user_id`: the end user
 }
 _RESPONSES: dict[str, _Check] = {
     "stream": _boolean,
-    "max_output_tokens": _MAX_TOKENS,
-    "temperature": _number(0, 2),
-    "top_p": _number(0, 1),
+    "max_output_tokens": _OUTPUT_LIMIT,
+    "temperature": _OPENAI_TEMPERATURE,
+    "top_p": _TOP_P,
+    "top_k": _top_k,
+    "stop": _stop,
+    "n": _single_choice,
+    "seed": _SEED,
     "top_logprobs": _integer(0, MAX_TOP_LOGPROBS),
+    "tools": _tools,
+    "tool_choice": _openai_tool_choice,
+    "parallel_tool_calls": _boolean,
+    "metadata": _metadata,
+    "user": _string,
+    "safety_identifier": _string,
 }

@@ -2,13 +2,19 @@
 
 Both are frozen: components derive what they need (number of KV blocks, resolved device/dtype, the effective
 maximum model length) and return it; nothing is written back here. No torch import: dtypes are names.
+
+`EngineConfig` is a pydantic model so its checks run wherever it is built: the gateway's `EngineSettings` extends it
+(every run option is declared once, here), so a bad `UNIGATE_ENGINE__*` value stops start-up with the variable's
+name instead of failing the model load.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 __all__ = ["DTYPE_BYTES", "EngineConfig", "KVCapacity", "ModelConfig"]
 
@@ -140,62 +146,92 @@ class KVCapacity:
         }
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """How the engine runs a model. `auto` values are resolved by `resolved_*` methods, never stored back."""
+def _is_power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
 
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None = a fraction of free device memory (GPU) or CPU default
+
+class EngineConfig(BaseModel):
+    """How the engine runs a model: the run options, declared once (the gateway's `EngineSettings` extends this
+    model with its own fields, so `UNIGATE_ENGINE__<FIELD>` reads each of these). Validated when built, so a bad
+    value stops start-up instead of the model load. `auto` values are resolved by `resolved_*` methods, never
+    stored back."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Not a setting: the KV budget on CPU when kv_cache_memory is None (docs/local-engine.md states it).
+    cpu_kv_cache_memory: ClassVar[int] = 512 * 1024 * 1024
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory: int | None = None  # bytes; None = a fraction of free device memory (GPU) or the CPU default
     gpu_memory_utilization: float = 0.90
-    cpu_kv_cache_memory: int = 512 * 1024 * 1024  # default KV budget on CPU when kv_cache_memory is None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
     enforce_eager: bool = False  # True: no decode CUDA graphs (they need a GPU and the Triton backend anyway)
     pack_cpu_weights: bool = True  # CPU: projections through oneDNN on pre-packed weights (layers/linear.py)
-    cpu_kernels: bool = True  # CPU: decode attention and rotary in the C kernels of layers/cpu_kernels.py
+    cpu_kernels: bool = True  # CPU: decode attention and rotary in the C kernels of kernels/cpu/
     cpu_fused_decode: bool = True  # CPU, with the above: a decode step's decoder stack in one native call
     # CPU, with cpu_kernels: decode-size projections read a GGUF checkpoint's Q4_1/Q8_0 blocks as stored (the same
     # float32 results, 5-6x fewer bytes per step) instead of float32 panels
     cpu_gguf_blocks: bool = True
 
-    def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
-        if self.max_num_seqs <= 0:
-            raise ValueError("max_num_seqs must be positive")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+    @field_validator("block_size")
+    @classmethod
+    def _check_block_size(cls, value: int) -> int:
+        if not _is_power_of_two(value):
+            raise ValueError("block_size must be a positive power of two (e.g. 16 or 32)")
+        return value
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _check_kv_cache_memory(cls, value: int | None) -> int | None:
+        if value is not None and value <= 0:
+            raise ValueError("kv_cache_memory must be a positive number of bytes (e.g. 2147483648), or unset")
+        return value
+
+    @field_validator("gpu_memory_utilization")
+    @classmethod
+    def _check_gpu_memory_utilization(cls, value: float) -> float:
+        if not 0.0 < value <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], a share of GPU memory (e.g. 0.9)")
+        return value
+
+    @field_validator("max_num_seqs")
+    @classmethod
+    def _check_max_num_seqs(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError("max_num_seqs must be a positive number of sequences (e.g. 64)")
+        return value
+
+    @field_validator("max_num_batched_tokens")
+    @classmethod
+    def _check_max_num_batched_tokens(cls, value: int, info: ValidationInfo) -> int:
+        max_num_seqs = info.data.get("max_num_seqs")  # absent when it failed its own check
+        if max_num_seqs is not None and value < max_num_seqs:
             raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}) so every running sequence can decode each step"
+                f"max_num_batched_tokens ({value}) must be >= max_num_seqs ({max_num_seqs}) so every running "
+                "sequence can decode each step: raise it or lower max_num_seqs"
             )
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        return value
+
+    @field_validator("max_model_len")
+    @classmethod
+    def _check_max_model_len(cls, value: int | None) -> int | None:
+        if value is not None and value <= 0:
+            raise ValueError("max_model_len must be a positive number of tokens, or unset (the model's own)")
+        return value
 
     @classmethod
-    def from_settings(cls, settings: Any) -> EngineConfig:
-        """From `gateway.settings.EngineSettings` (duck-typed so this module stays import-light)."""
-        return cls(
-            block_size=settings.block_size,
-            kv_cache_memory=settings.kv_cache_memory,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            max_model_len=settings.max_model_len,
-            enable_prefix_caching=settings.enable_prefix_caching,
-            dtype=settings.dtype,
-            device=settings.device,
-            attention_backend=settings.attention_backend,
-            enforce_eager=settings.enforce_eager,
-            pack_cpu_weights=settings.pack_cpu_weights,
-            cpu_kernels=settings.cpu_kernels,
-            cpu_fused_decode=settings.cpu_fused_decode,
-            cpu_gguf_blocks=settings.cpu_gguf_blocks,
-        )
+    def of(cls, options: EngineConfig) -> EngineConfig:
+        """The run options alone, from an `EngineConfig` or a subclass with more fields (the gateway's
+        `EngineSettings`): what the engine keeps, without the gateway's fields."""
+        if type(options) is cls:
+            return options
+        return cls(**{name: getattr(options, name) for name in cls.model_fields})
 
     def resolved_device(self, is_cuda_available: bool) -> str:
         if self.device == "auto":

@@ -4,7 +4,7 @@ The CPU counterpart of `cuda_graphs.py`. A decode step of a small model on a CPU
 per layer two RMSNorms, four projections, rotary, the KV cache write, attention and silu-and-mul, each a Python
 call with its argument checks, a fresh output tensor and an OpenMP fork/join. At decode sizes (a few dozen rows)
 that cost is a large share of the step: SmolLM2-135M's RMSNorm over 31 rows took 72 us per call inside a step,
-16 us on its own. `unigate_decode_layers_f32` (layers/cpu_kernels.c) runs the same kernels, in the same order
+16 us on its own. `unigate_decode_layers_f32` (kernels/cpu/kernels.c) runs the same kernels, in the same order
 and on the same data, inside one parallel region, so the hidden states it returns equal the op-by-op forward's
 bit for bit (the tests check it); the embedding lookup before it and the logits after it stay in torch.
 
@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from local_engine.layers import cpu_kernels
+from local_engine.kernels import cpu as cpu_kernels
 from local_engine.layers.attention import AttentionMetadata
 from local_engine.layers.linear import PackedLinear
 from local_engine.models.llama import LlamaForCausalLM

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from local_engine.errors import CheckpointError
-from local_engine.layers.cpu_kernels import BLOCK_FORMATS
+from local_engine.kernels.cpu import BLOCK_FORMATS
 
 __all__ = ["GgufCheckpoint", "read_gguf", "unpermute_rope_rows"]
 

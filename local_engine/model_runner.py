@@ -16,9 +16,9 @@ import torch
 from local_engine.config import EngineConfig, KVCapacity, ModelConfig
 from local_engine.cpu_decode import CpuDecoder
 from local_engine.cuda_graphs import DecodeGraphs, capture_sizes
-from local_engine.layers import cpu_kernels
+from local_engine.kernels import cpu as cpu_kernels
 from local_engine.layers.attention import Attention, AttentionMetadata
-from local_engine.layers.backend import select_ops
+from local_engine.layers.backend import Ops, select_ops
 from local_engine.layers.linear import (
     NATIVE_MAX_ROWS,
     PackedLinear,
@@ -154,10 +154,10 @@ class ModelRunner:
             self.capacity.num_tokens,
         )
 
-    def _build_model(self, ops: object, state_dict: dict[str, torch.Tensor]) -> LlamaForCausalLM:
+    def _build_model(self, ops: Ops, state_dict: dict[str, torch.Tensor]) -> LlamaForCausalLM:
         # Built on the meta device so no time goes into random initialisation, then materialised and loaded.
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.model_config, ops, max_position=1)  # type: ignore[arg-type]
+            model = LlamaForCausalLM(self.model_config, ops, max_position=1)
         model = model.to_empty(device=self.device).to(dtype=self.dtype)
         if self.model_config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight

@@ -23,7 +23,13 @@ from typing import Any
 
 from local_engine.errors import CheckpointError, InvalidParamError
 
-__all__ = ["DIGIT_SPLIT_PRE_TOKENIZERS", "Tokenizer", "restore_digit_split", "restore_serialized_pipeline"]
+__all__ = [
+    "BYTE_DECODER",
+    "DIGIT_SPLIT_PRE_TOKENIZERS",
+    "Tokenizer",
+    "restore_digit_split",
+    "restore_serialized_pipeline",
+]
 
 logger = logging.getLogger("unigate.engine")
 
@@ -33,6 +39,22 @@ logger = logging.getLogger("unigate.engine")
 DIGIT_SPLIT_PRE_TOKENIZERS = frozenset({"smollm", "starcoder", "refact"})
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 PIPELINE_STAGES = ("normalizer", "pre_tokenizer", "decoder")
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable character standing for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+BYTE_DECODER = _byte_decoder()
 
 
 class Tokenizer:
@@ -111,6 +133,25 @@ class Tokenizer:
         """Whether the chat template writes tool calls itself (Qwen, Llama 3.1, Mistral, Hermes do; SmolLM2's prints
         only each message's role and content, so callers render calls and results as text for it)."""
         return "tool_calls" in str(self.hf.chat_template or "")
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(getattr(self.hf, "all_special_ids", ()))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes one token stands for (the `bytes` of OpenAI logprobs): a byte-level BPE piece read
+        through GPT-2's alphabet (fast tokenizers, special tokens excepted), a SentencePiece piece (`▁` for a space,
+        `<0xNN>` for one byte), else the token's decoded text."""
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and piece:
+            if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+                return bytes([int(piece[3:5], 16)])
+            is_byte_level = getattr(self.hf, "is_fast", False) and all(c in BYTE_DECODER for c in piece)
+            if is_byte_level and token_id not in self._special_ids:
+                return bytes(BYTE_DECODER[c] for c in piece)
+            if "▁" in piece:
+                return piece.replace("▁", " ").encode("utf-8")
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def save_pretrained(self, directory: Path) -> None:
         self.hf.save_pretrained(str(directory))

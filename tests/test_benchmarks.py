@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from local_engine.layers import cpu_kernels
+from local_engine.kernels import cpu as cpu_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,7 @@ from backends.base import CountsPromptTokens, Endpoint, Json
 from gateway.errors import GatewayError, InvalidRequestError
 from gateway.pipeline import estimate_prompt_tokens, open_call, request_id_of, serves_natively
 from gateway.router import Router
-from gateway.routes.openai import JSONBytesResponse, authenticate, forwarding, read_json_body, require_model
+from gateway.routes.openai import JSONBytesResponse, authenticate, forwarding, read_json_body
 from gateway.sse import EventStreamResponse, encode_event, encode_events
 from gateway.translate.anthropic import (
     chat_chunks_to_events,
@@ -28,7 +28,7 @@ from gateway.translate.anthropic import (
 )
 from gateway.translate.anthropic_meta import anthropic_headers, anthropic_model_list
 from gateway.translate.sse import with_keepalive
-from gateway.validate import check_messages
+from gateway.validate import check_messages, require_model
 
 __all__ = ["anthropic_headers", "anthropic_model_list", "routes"]
 
@@ -42,10 +42,8 @@ async def create_message(request: Request) -> Response:
     stream = _check_body(body)
     is_native = serves_natively(request, model, "messages")
     if is_native:
-        # `stream_options` tells the pipeline to forward events carrying `usage` as they are; the Anthropic
-        # backend drops the field before sending.
         endpoint: Endpoint = "messages"
-        upstream_body = {**body, "stream_options": {"include_usage": True}} if stream else body
+        upstream_body = body
     else:
         endpoint, upstream_body = "chat/completions", messages_to_chat(body)
     with forwarding(request):

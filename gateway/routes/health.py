@@ -1,4 +1,5 @@
-"""Liveness, readiness (Redis when the access object can `ping`, and each deployment's last known state), metrics.
+"""Liveness, readiness (Redis when the access object can `ping`: can it be written, not just reached; and each
+deployment's last known state), metrics.
 
 Readiness only reports: deployment states come from the gateway's own `HealthProber` schedule, so an anonymous
 `GET /health/ready` never probes an upstream and never changes routing.
@@ -26,7 +27,7 @@ async def live(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    """200 when Redis answers (if used) and at least one deployment is `up` (if any); 503 otherwise. Deployments
+    """200 when Redis can be written (if used) and at least one deployment is `up` (if any); 503 otherwise. Deployments
     are `up`, `down`, `cooling_down`, `loading` or `restarting` (see `gateway.health_probe`)."""
     prober: HealthProber = request.app.state.health_prober
     settings: Settings = request.app.state.settings
@@ -38,7 +39,8 @@ async def ready(request: Request) -> Response:
 
 
 async def _probe_redis(ping: object, timeout_s: float) -> str:
-    """Redis reachability, asked live: it decides nothing about routing."""
+    """Whether Redis takes writes, asked live (a read-only replica, a cluster that is down or a failover in
+    progress say "down"): it decides nothing about routing."""
     if ping is None or not callable(ping):
         return "not_used"
     with contextlib.suppress(Exception):

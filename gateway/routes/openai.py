@@ -1,8 +1,8 @@
 """OpenAI-compatible endpoints, all built on `gateway.pipeline.open_call`.
 
 The caller's key is verified first: an unknown key costs no body work. The body is then parsed once with orjson;
-only what routing and accounting need (`model`, the presence and shape of `messages` / `prompt` / `input`) and the
-sampling fields (`gateway.validate`) are checked; everything else is forwarded as is.
+only what routing and accounting need (the presence and shape of `messages` / `prompt` / `input`) and the fields
+every family shares (`model`, sampling, tools: `gateway.validate`) are checked; everything else is forwarded as is.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from auth.base import AccessControl, Principal, extract_credential
-from backends.base import Endpoint, Json
+from backends.base import Endpoint, Json, ReportsEngineStats
 from gateway.disconnect import watch_disconnect
 from gateway.errors import InvalidRequestError
 from gateway.pipeline import Call, open_call
 from gateway.router import ModelRoute, Router
 from gateway.sse import DONE, EventStreamResponse, encode_data
 from gateway.translate.anthropic_meta import anthropic_model_list
-from gateway.validate import check_chat, check_completions
+from gateway.validate import check_chat, check_completions, require_model
 
 __all__ = ["JSONBytesResponse", "authenticate", "forwarding", "openai_routes", "read_json_body", "require_model"]
 
@@ -74,14 +74,6 @@ def forwarding(request: Request) -> Iterator[None]:
         yield
 
 
-def require_model(body: Json) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model.strip():
-        what = "missing" if model is None else "not a non-empty string"
-        raise _invalid(f"`model` is {what}. Set it to a model ID from GET /v1/models.", "model")
-    return model
-
-
 def _invalid(message: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(message, code="invalid_request", param=param)
 
@@ -100,9 +92,6 @@ def _check_messages(body: Json) -> None:
         if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
             param = f"messages[{index}].content"
             raise _invalid(f"`{param}` must be a string or a list of content part objects.", param)
-    tools = body.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools)):
-        raise _invalid("`tools` must be a list of tool objects.", "tools")
 
 
 def _check_present(body: Json, name: str, example: str) -> None:
@@ -178,9 +167,8 @@ def _model_object(route: ModelRoute, created: int) -> Json:
         "aliases": route.config.aliases,
     }
     for deployment in route.deployments:  # a local engine reports what benchmarks record (dtype, context length)
-        stats = getattr(deployment.backend, "stats", None)
-        if callable(stats):
-            info = stats()
+        if isinstance(deployment.backend, ReportsEngineStats):
+            info = deployment.backend.stats()
             if info.get("loaded"):
                 model.update(dtype=info.get("dtype"), max_model_len=info.get("max_model_len"), engine="unigate")
             break

@@ -22,7 +22,7 @@ from backends.base import Json
 from gateway.errors import GatewayError, InvalidRequestError
 from gateway.pipeline import open_call, serves_natively
 from gateway.router import Router
-from gateway.routes.openai import JSONBytesResponse, forwarding, read_json_body, require_model
+from gateway.routes.openai import JSONBytesResponse, forwarding, read_json_body
 from gateway.sse import EventStreamResponse, encode_event, encode_events
 from gateway.translate.common import Event
 from gateway.translate.responses import (
@@ -32,7 +32,7 @@ from gateway.translate.responses import (
     responses_to_chat,
 )
 from gateway.translate.sse import with_keepalive
-from gateway.validate import check_responses
+from gateway.validate import check_responses, require_model
 
 __all__ = ["routes"]
 

@@ -1,13 +1,13 @@
 """Translation between API families: Anthropic Messages ⇄ chat completions ⇄ OpenAI Responses.
 
 Pure functions over dicts, no I/O: requests one way, responses and streams the other. Chat completions is the
-common language: every backend serves it (natively or, for `type: anthropic`, through `anthropic_upstream`).
+common language: every backend serves it (natively or, for `type: anthropic`, through the backend's own
+translation, `backends.anthropic_translate`).
 """
 
 from __future__ import annotations
 
 from gateway.translate.anthropic import chat_chunks_to_events, chat_to_message, messages_to_chat
-from gateway.translate.anthropic_upstream import chat_to_messages, events_to_chat_chunks, message_to_chat
 from gateway.translate.responses import chat_chunks_to_response_events, chat_to_response, responses_to_chat
 from gateway.translate.sse import with_keepalive
 
@@ -15,10 +15,7 @@ __all__ = [
     "chat_chunks_to_events",
     "chat_chunks_to_response_events",
     "chat_to_message",
-    "chat_to_messages",
     "chat_to_response",
-    "events_to_chat_chunks",
-    "message_to_chat",
     "messages_to_chat",
     "responses_to_chat",
     "with_keepalive",

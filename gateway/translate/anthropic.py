@@ -9,7 +9,7 @@ Pure functions over dicts. What the target cannot express (server tools, documen
 `cache_control`) is dropped, with a logged warning where the model's behaviour may change. A translated request is
 the same on every turn that resends the same conversation (no fresh ids; Claude Code's per-request billing line in
 `system` is left out), so the prompt a backend renders from it keeps its prefix and a prefix cache keeps matching.
-The opposite direction (chat clients on `type: anthropic` upstreams) is in `anthropic_upstream.py`.
+The opposite direction (chat clients on `type: anthropic` upstreams) is in `backends.anthropic_translate`.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def messages_to_chat(body: Json) -> Json:
     chat: Json = {"model": body.get("model"), "messages": chat_messages}
     if body.get("max_tokens") is not None:
         chat["max_tokens"] = body["max_tokens"]
-    for name in ("temperature", "top_p", "top_k"):
+    for name in ("temperature", "top_p", "top_k", "seed"):  # (checked by gateway.validate.check_messages)
         if body.get(name) is not None:
             chat[name] = body[name]
     if body.get("stop_sequences"):

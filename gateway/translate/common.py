@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import logging
 import re
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 
+from backends.wire import DropLog, aclose_source, content_text, dumps, new_id, parse_arguments
 from gateway.errors import InvalidRequestError
 
 __all__ = [
@@ -29,6 +29,8 @@ __all__ = [
     "usage_counts",
     "wrong_type",
 ]
+
+logger = logging.getLogger("unigate.translate")
 
 Json = dict[str, Any]
 Event = tuple[str, Json]  # (SSE event name, data)
@@ -95,9 +97,6 @@ class TextHoldingBuilder:
         return events
 
 
-logger = logging.getLogger("unigate.translate")
-
-
 async def translate_stream(builder: TextHoldingBuilder, chunks: AsyncIterator[Json]) -> AsyncIterator[Event]:
     """Run a stream builder over chat chunks: its opening events, each chunk's events, then its closing events —
     or, when `chunks` raises, its failure events (the stream then ends there). The source is always closed."""
@@ -117,20 +116,11 @@ async def translate_stream(builder: TextHoldingBuilder, chunks: AsyncIterator[Js
         yield event
 
 
-def new_id(prefix: str) -> str:
-    """An id in the target API's style (`msg_…`, `toolu_…`, `resp_…`, `fc_…`, `call_…`)."""
-    return f"{prefix}{uuid.uuid4().hex}"
-
-
 def position_id(prefix: str, param: str) -> str:
     """An id for a request item the client sent without one, from its place in the request (`messages[3].content[1]`
     → `toolu_3_1`): every turn that resends the conversation gets the same id, so the prompt rendered from it stays
     the same (a prefix cache keeps matching), where a fresh random id would change it on every request."""
     return prefix + "_".join(re.findall(r"\d+", param))
-
-
-def dumps(value: Any) -> str:
-    return orjson.dumps(value).decode()
 
 
 def dumps_request(value: Any, *, param: str) -> str:
@@ -147,71 +137,6 @@ def wrong_type(param: str, expected: str, value: Any) -> InvalidRequestError:
     return InvalidRequestError(f"`{param}` must be {expected}, not {got}.", code="invalid_request", param=param)
 
 
-class DropLog:
-    """What one request's translation dropped because the target cannot carry it, logged as ONE warning line per
-    request: a body of 30,000 unknown blocks writes one line, not 30,000. Kinds are caller input, so they are cut
-    short and only the first few distinct ones are named."""
-
-    _MAX_KINDS = 8
-    _MAX_KIND_CHARS = 40
-
-    def __init__(self, target: str) -> None:
-        self.target = target
-        self.counts: dict[str, int] = {}
-        self.num_unnamed = 0
-
-    def add(self, what: str, kind: Any, *, name: Any = None) -> None:
-        key = f"{what} {self._show(kind)}" if name is None else f"{what} {self._show(kind)} named {self._show(name)}"
-        if key in self.counts:
-            self.counts[key] += 1
-        elif len(self.counts) < self._MAX_KINDS:
-            self.counts[key] = 1
-        else:
-            self.num_unnamed += 1
-
-    def _show(self, value: Any) -> str:
-        shown = repr(value)
-        return shown if len(shown) <= self._MAX_KIND_CHARS else shown[: self._MAX_KIND_CHARS - 3] + "..."
-
-    def log(self) -> None:
-        if not self.counts:
-            return
-        items = ", ".join(f"{count} x {key}" for key, count in self.counts.items())
-        if self.num_unnamed:
-            items += f", {self.num_unnamed} more of other kinds"
-        logger.warning("dropped what %s cannot carry: %s", self.target, items)
-
-
-def parse_arguments(raw: Any) -> Json:
-    """Tool-call arguments (a JSON string in chat completions) as the object Anthropic's `input` must be.
-
-    Small models often emit broken JSON; rather than fail the whole response (or silently send `{}`, which hides
-    the model's attempt), the raw text is kept under one key so the client's tool validation reports it.
-    """
-    if isinstance(raw, dict):
-        return raw
-    if raw is None or (isinstance(raw, str) and not raw.strip()):
-        return {}
-    try:
-        value = orjson.loads(raw)
-    except (orjson.JSONDecodeError, TypeError):
-        logger.warning("tool call arguments are not valid JSON; passing them on as raw text")
-        return {"_raw_arguments": str(raw)}
-    if isinstance(value, dict):
-        return value
-    return {"_raw_arguments": str(raw)}
-
-
-def content_text(content: Any, *, separator: str = "\n") -> str:
-    """The text of a string or a list of text-bearing parts/blocks (`text`, `input_text`, `output_text`, ...)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        return ""
-    texts = [part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)]
-    return separator.join(texts)
-
-
 def usage_counts(usage: Any) -> tuple[int, int, int]:
     """(prompt_tokens, completion_tokens, cached_prompt_tokens) from a chat-completions `usage` object."""
     if not isinstance(usage, dict):
@@ -219,10 +144,3 @@ def usage_counts(usage: Any) -> tuple[int, int, int]:
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), int(cached or 0)
-
-
-async def aclose_source(source: AsyncIterator[Any]) -> None:
-    """Close an upstream iterator we stopped reading, so its `finally` (usage settlement, socket) runs now."""
-    aclose = getattr(source, "aclose", None)
-    if aclose is not None:
-        await aclose()

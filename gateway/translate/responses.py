@@ -54,9 +54,12 @@ def responses_to_chat(body: Json) -> Json:
     chat: Json = {"model": body.get("model"), "messages": messages}
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    for name in ("temperature", "top_p"):
+    # (checked by gateway.validate.check_responses; `top_k`, `stop` and `seed` are extensions a chat target reads)
+    for name in ("temperature", "top_p", "top_k", "seed"):
         if body.get(name) is not None:
             chat[name] = body[name]
+    if body.get("stop"):
+        chat["stop"] = body["stop"]
     if body.get("stream"):
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}

@@ -1,8 +1,9 @@
-"""Triton kernels for the local engine, each with a plain torch reference in `reference.py`.
+"""Triton kernels for the local engine, each with a plain torch reference in `reference.py`; the native CPU
+kernels (C, built at start-up) in the subpackage `cpu/`. This module and `reference` implement `layers.backend.Ops`.
 
-The launchers are imported lazily so that importing this package (e.g. to call `is_triton_available()`) costs
-nothing and works where triton is not installed. CUDA tensors run the compiled kernels; CPU tensors run the
-same kernels in Triton's interpreter (slow: tests and smoke runs only).
+The launchers are imported lazily so that importing this package (e.g. to call `is_triton_available()`, or to
+reach `kernels.cpu`) costs nothing and works where triton is not installed. CUDA tensors run the compiled kernels;
+CPU tensors run the same kernels in Triton's interpreter (slow: tests and smoke runs only).
 """
 
 from __future__ import annotations
@@ -10,7 +11,15 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for type checkers only: at run time `__getattr__` imports each launcher on first use
+    from local_engine.kernels.activation import silu_and_mul
+    from local_engine.kernels.decode_attention import paged_decode_attention
+    from local_engine.kernels.kv_write import store_kv
+    from local_engine.kernels.norm import rms_norm
+    from local_engine.kernels.prefill_attention import paged_prefill_attention
+    from local_engine.kernels.rotary import apply_rotary
 
 __all__ = [
     "apply_rotary",

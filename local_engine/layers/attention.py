@@ -8,10 +8,11 @@ were stored, so a chunk attends to its own tokens and to everything computed in 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 from torch import nn
+
+from local_engine.layers.backend import Ops
 
 __all__ = ["Attention", "AttentionMetadata"]
 
@@ -29,7 +30,7 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, ops: ModuleType) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, ops: Ops) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from local_engine.layers import cpu_kernels
+from local_engine.kernels import cpu as cpu_kernels
 
 __all__ = [
     "NATIVE_MAX_ROWS",

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 from torch import nn
+
+from local_engine.layers.backend import Ops
 
 __all__ = ["RMSNorm"]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, ops: ModuleType) -> None:
+    def __init__(self, size: int, eps: float, ops: Ops) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
@@ -20,4 +20,4 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.ops.rms_norm(x, self.weight, self.eps, residual)  # type: ignore[no-any-return]
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)

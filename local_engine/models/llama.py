@@ -11,13 +11,12 @@ metadata (slot mapping, block tables) built by the model runner.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 from torch import nn
 
 from local_engine.config import ModelConfig
 from local_engine.layers.attention import Attention, AttentionMetadata
+from local_engine.layers.backend import Ops
 from local_engine.layers.norm import RMSNorm
 from local_engine.layers.rotary import build_cos_sin_cache
 
@@ -37,7 +36,7 @@ PACKED_MODULES = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: ModuleType) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -80,7 +79,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: ModuleType) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
         self.ops = ops
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
@@ -91,7 +90,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: ModuleType) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, ops)
         self.mlp = LlamaMLP(config, ops)
@@ -121,7 +120,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, ops: ModuleType) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, ops) for _ in range(config.num_hidden_layers)])
@@ -149,7 +148,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, ops: ModuleType, max_position: int) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, max_position: int) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, ops)

@@ -39,7 +39,7 @@ from hypothesis.stateful import (
 
 from auth import redis_names
 from auth.access import AccessConfig, RedisAccess
-from auth.base import Admission
+from auth.base import Admission, SettleUsage
 from auth.redis_client import connect
 from auth.scripts import ScriptSet
 from auth.store import KeyStore, period_key
@@ -319,10 +319,7 @@ class AccountingMachine(RuleBasedStateMachine):
         self.run(
             self.access.settle(
                 request.admission,
-                prompt_tokens=prompt,
-                completion_tokens=completion,
-                cost_micros=cost,
-                is_priced=model == "priced",
+                SettleUsage(prompt, completion, cost_micros=cost, is_priced=model == "priced"),
             )
         )
         assert request.admission.lease_id is not None
@@ -333,7 +330,7 @@ class AccountingMachine(RuleBasedStateMachine):
     def settle_again(self, request: Request, prompt: int, completion: int) -> None:
         """A retried settle (another instance, a replayed hand-off) reaches the script again: it changes nothing."""
         fresh = replace(request.admission, is_settled=False)
-        self.run(self.access.settle(fresh, prompt_tokens=prompt, completion_tokens=completion))
+        self.run(self.access.settle(fresh, SettleUsage(prompt, completion)))
 
     # -- time ----------------------------------------------------------------------------------------------------
 

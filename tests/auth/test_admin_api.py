@@ -8,6 +8,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
+from auth.base import SettleUsage
 from auth.keys import hash_key
 from auth.store import KeyStore
 
@@ -141,9 +142,9 @@ async def test_usage_per_model_per_day_and_totals(admin: httpx.AsyncClient, make
     access = await make_access()
     for model, prompt, completion in [("m1", 10, 5), ("m1", 1, 2), ("m2", 7, 0)]:
         admission = await access.admit(created["key"], model=model, estimated_tokens=50)
-        await access.settle(admission, prompt_tokens=prompt, completion_tokens=completion)
+        await access.settle(admission, SettleUsage(prompt, completion))
     master = await access.admit("sk-ug-master-test-key-0123456789", model="m2", estimated_tokens=0)
-    await access.settle(master, prompt_tokens=100, completion_tokens=100)
+    await access.settle(master, SettleUsage(100, 100))
 
     usage = (await admin.get(f"/admin/keys/{created['id']}/usage")).json()
     rows = {row["model"]: row for row in usage["data"]}
@@ -170,7 +171,7 @@ async def test_no_plaintext_secret_anywhere_in_redis(admin: httpx.AsyncClient, m
     access = await make_access()
     for secret in secrets_[:2] + secrets_[3:]:
         admission = await access.admit(secret, model="m", estimated_tokens=10)
-        await access.settle(admission, prompt_tokens=1, completion_tokens=1)
+        await access.settle(admission, SettleUsage(1, 1))
 
     dump: list[bytes] = []
     async for name in redis.scan_iter(match="*"):

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from auth.access import RedisAccess, format_reset
+from auth.base import SettleUsage
 from auth.store import KeyStore
 from gateway.errors import (
     AuthError,
@@ -137,15 +138,15 @@ async def test_tokens_are_reserved_then_trued_up(make_access: Any, new_key: Any)
     error = await _admit_error(access, secret, tokens=600)
     assert isinstance(error, LimitError) and error.code == "tokens_limit_exceeded" and "retry-after" in error.headers
 
-    await access.settle(first, prompt_tokens=60, completion_tokens=40)  # refund 500
+    await access.settle(first, SettleUsage(60, 40))  # refund 500
     second = await access.admit(secret, model="m", estimated_tokens=600)
     assert second.headers["x-ratelimit-remaining-tokens"] == "300"
 
-    await access.settle(second, prompt_tokens=0, completion_tokens=0)  # failed before any token: full refund
+    await access.settle(second, SettleUsage(0, 0))  # failed before any token: full refund
     third = await access.admit(secret, model="m", estimated_tokens=100)
     assert third.headers["x-ratelimit-remaining-tokens"] == "800"
-    await access.settle(third, prompt_tokens=300, completion_tokens=400)  # used more than reserved: charged
-    await access.settle(third, prompt_tokens=300, completion_tokens=400)  # idempotent
+    await access.settle(third, SettleUsage(300, 400))  # used more than reserved: charged
+    await access.settle(third, SettleUsage(300, 400))  # idempotent
     fourth = await access.admit(secret, model="m", estimated_tokens=100)
     assert fourth.headers["x-ratelimit-remaining-tokens"] == "100"  # 100 + 700 + 100 of 1000
 
@@ -155,8 +156,8 @@ async def test_settle_is_idempotent_across_instances(make_access: Any, new_key: 
     key_id, secret = await new_key(tpm=1000)
     admission = await one.admit(secret, model="m", estimated_tokens=500)
     replay = type(admission)(**{s: getattr(admission, s) for s in admission.__slots__})  # a retried settle
-    await one.settle(admission, prompt_tokens=10, completion_tokens=10)
-    await two.settle(replay, prompt_tokens=10, completion_tokens=10)
+    await one.settle(admission, SettleUsage(10, 10))
+    await two.settle(replay, SettleUsage(10, 10))
     record = await store.get(key_id)
     assert (record.num_requests, record.tokens_spent) == (1, 20)
 
@@ -175,7 +176,7 @@ async def test_concurrency_leases_release_on_settle(make_access: Any, new_key: A
     await access.admit(secret, model="m", estimated_tokens=1)
     error = await _admit_error(access, secret)
     assert error.code == "concurrency_limit_exceeded" and error.headers["retry-after"] == "1"
-    await access.settle(a, prompt_tokens=1, completion_tokens=1)
+    await access.settle(a, SettleUsage(1, 1))
     await access.admit(secret, model="m", estimated_tokens=1)
 
 
@@ -197,7 +198,7 @@ async def test_budget_exhaustion_is_insufficient_quota(
     access = await make_access()
     key_id, secret = await new_key(token_budget=100, budget_period=period)
     admission = await access.admit(secret, model="m", estimated_tokens=10)
-    await access.settle(admission, prompt_tokens=60, completion_tokens=50)
+    await access.settle(admission, SettleUsage(60, 50))
     error = await _admit_error(access, secret)
     assert isinstance(error, BudgetExceededError)
     assert (error.status_code, error.type, error.code) == (429, "insufficient_quota", "budget_exceeded")
@@ -273,9 +274,7 @@ async def test_settles_queued_together_share_one_script_call_and_add_up(
     )
     assert all(a.headers for a in admissions)
     await redis.execute_command("CONFIG", "RESETSTAT")
-    await asyncio.gather(
-        *(access.settle(a, prompt_tokens=i, completion_tokens=2 * i) for i, a in enumerate(admissions))
-    )
+    await asyncio.gather(*(access.settle(a, SettleUsage(i, 2 * i)) for i, a in enumerate(admissions)))
     calls = (await redis.info("commandstats"))["cmdstat_evalsha"]["calls"]
     assert calls < 40  # batched (one call for all 40 when they are queued in one go)
 
@@ -311,9 +310,9 @@ async def test_an_admission_after_a_queued_settle_sees_it_done(make_access: Any,
     _, secret = await new_key(max_concurrent=1, tpm=1000)
     for _ in range(20):
         admission = await access.admit(secret, model="m", estimated_tokens=900)
-        settling = access.begin_settle(admission, prompt_tokens=1, completion_tokens=1)
+        settling = access.begin_settle(admission, SettleUsage(1, 1))
         nxt = await access.admit(secret, model="m", estimated_tokens=900)  # lease and 899 tokens freed first
-        access.begin_settle(nxt, prompt_tokens=0, completion_tokens=0)
+        access.begin_settle(nxt, SettleUsage(0, 0))
         await settling
 
 
@@ -324,7 +323,7 @@ async def test_a_batched_settle_after_redis_lost_its_scripts_registers_them_agai
     key_id, secret = await new_key(max_concurrent=5)
     admissions = [await access.admit(secret, model="m", estimated_tokens=10) for _ in range(3)]
     await redis.script_flush()  # as after a Redis restart without persistence of scripts
-    await asyncio.gather(*(access.settle(a, prompt_tokens=2, completion_tokens=3) for a in admissions))
+    await asyncio.gather(*(access.settle(a, SettleUsage(2, 3)) for a in admissions))
     record = await store.get(key_id)
     assert (record.num_requests, record.tokens_spent) == (3, 15)
     assert await redis.zcard(f"ug:{{{key_id}}}:leases") == 0

@@ -49,14 +49,14 @@ async def test_revocation_reaches_the_other_instance_within_a_second(
 async def test_upstream_cap_is_shared_and_waiters_are_served_in_order(make_access: Any, redis: Redis) -> None:
     one, two = await make_access(), await make_access()
     held = [
-        await one.acquire_upstream("dep", max_in_flight=2, timeout_s=5),
-        await two.acquire_upstream("dep", max_in_flight=2, timeout_s=5),
+        await one.upstream_limiter.acquire_upstream("dep", max_in_flight=2, timeout_s=5),
+        await two.upstream_limiter.acquire_upstream("dep", max_in_flight=2, timeout_s=5),
     ]
     assert all(lease.lease_id for lease in held)
     served: list[str] = []
 
     async def wait(access: Any, name: str) -> UpstreamLease:
-        lease: UpstreamLease = await access.acquire_upstream("dep", max_in_flight=2, timeout_s=5)
+        lease: UpstreamLease = await access.upstream_limiter.acquire_upstream("dep", max_in_flight=2, timeout_s=5)
         served.append(name)
         return lease
 
@@ -67,47 +67,47 @@ async def test_upstream_cap_is_shared_and_waiters_are_served_in_order(make_acces
     assert served == [] and await redis.llen(redis_names.upstream_queue("dep")) == 2
 
     started = time.monotonic()
-    await one.release_upstream(held[0])
+    await one.upstream_limiter.release_upstream(held[0])
     lease = await first
     assert served == ["first"] and time.monotonic() - started < 0.9  # woken by the hand-off, not by polling
-    await two.release_upstream(held[1])
+    await two.upstream_limiter.release_upstream(held[1])
     await second
     assert served == ["first", "second"]
     assert await redis.zcard(redis_names.upstream_leases("dep")) == 2
-    await one.release_upstream(lease)
+    await one.upstream_limiter.release_upstream(lease)
 
 
 async def test_at_capacity_times_out_with_503_and_leaves_the_queue(make_access: Any, redis: Redis) -> None:
     access = await make_access()
-    await access.acquire_upstream("dep", max_in_flight=1, timeout_s=1)
+    await access.upstream_limiter.acquire_upstream("dep", max_in_flight=1, timeout_s=1)
     with pytest.raises(UnavailableError) as caught:
-        await access.acquire_upstream("dep", max_in_flight=1, timeout_s=0.3)
+        await access.upstream_limiter.acquire_upstream("dep", max_in_flight=1, timeout_s=0.3)
     assert caught.value.code == "upstream_at_capacity" and caught.value.headers["retry-after"] == "1"
     assert await redis.llen(redis_names.upstream_queue("dep")) == 0
 
 
 async def test_cancelled_waiter_passes_its_turn_on(make_access: Any, redis: Redis) -> None:
     access = await make_access()
-    holder = await access.acquire_upstream("dep", max_in_flight=1, timeout_s=1)
-    quitter = asyncio.create_task(access.acquire_upstream("dep", max_in_flight=1, timeout_s=5))
+    holder = await access.upstream_limiter.acquire_upstream("dep", max_in_flight=1, timeout_s=1)
+    quitter = asyncio.create_task(access.upstream_limiter.acquire_upstream("dep", max_in_flight=1, timeout_s=5))
     await asyncio.sleep(0.1)
-    patient = asyncio.create_task(access.acquire_upstream("dep", max_in_flight=1, timeout_s=5))
+    patient = asyncio.create_task(access.upstream_limiter.acquire_upstream("dep", max_in_flight=1, timeout_s=5))
     await asyncio.sleep(0.1)
     quitter.cancel()  # the client disconnected while waiting
     await asyncio.sleep(0.1)
-    await access.release_upstream(holder)
+    await access.upstream_limiter.release_upstream(holder)
     lease = await asyncio.wait_for(patient, 2)
     assert lease.lease_id and await redis.llen(redis_names.upstream_queue("dep")) == 0
 
 
 async def test_upstream_leases_of_a_crashed_instance_expire(make_access: Any) -> None:
-    crashed = await make_access(lease_ttl_s=0.5)
+    crashed = (await make_access(lease_ttl_s=0.5)).upstream_limiter
     await crashed.acquire_upstream("dep", max_in_flight=1, timeout_s=1)  # never released
-    survivor = await make_access(lease_ttl_s=0.5)
+    survivor = (await make_access(lease_ttl_s=0.5)).upstream_limiter
     lease = await survivor.acquire_upstream("dep", max_in_flight=1, timeout_s=3)  # polls past the expiry
     assert lease.lease_id
 
 
 async def test_no_cap_means_no_lease(make_access: Any) -> None:
     access = await make_access()
-    assert (await access.acquire_upstream("dep", max_in_flight=0, timeout_s=1)).lease_id is None
+    assert (await access.upstream_limiter.acquire_upstream("dep", max_in_flight=0, timeout_s=1)).lease_id is None

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from fakes.net import free_port
 
+from auth.base import SettleUsage
 from auth.redis_client import EmbeddedRedis, connect
 from auth.scripts import DEFAULT_SCRIPTS
 from auth.store import KeyStore
@@ -50,7 +51,7 @@ async def test_fail_closed_serves_cached_keys_only_and_recovers(make_access: Any
     with pytest.raises(UnavailableError) as caught:
         await access.admit(cold_secret, model="m", estimated_tokens=1)
     assert caught.value.code == "limits_unavailable" and caught.value.headers["retry-after"] == "1"
-    await access.settle(bypassed, prompt_tokens=1, completion_tokens=1)  # never raises
+    await access.settle(bypassed, SettleUsage(1, 1))  # never raises
     assert not await access.ping()
     assert time.monotonic() - started < 3.0, "a dead Redis must not hang requests"
     assert access.num_limit_bypasses >= 1 and access.num_storage_errors >= 1
@@ -94,13 +95,13 @@ async def test_fail_open_skips_limits_and_recovers(make_access: Any, server: Emb
     server.stop(kill=True)
     for _ in range(5):  # over the RPM of 2: limits are skipped
         admission = await access.admit(secret, model="m", estimated_tokens=1)
-        await access.settle(admission, prompt_tokens=1, completion_tokens=1)
+        await access.settle(admission, SettleUsage(1, 1))
     with pytest.raises(GatewayError) as not_allowed:
         await access.admit(secret, model="other", estimated_tokens=1)  # the allowlist still holds
     assert not_allowed.value.code == "model_not_allowed"
     with pytest.raises(UnavailableError):  # a key never verified cannot be served
         await access.admit(cold_secret, model="m", estimated_tokens=1)
-    lease = await access.acquire_upstream("dep", max_in_flight=1, timeout_s=1)
+    lease = await access.upstream_limiter.acquire_upstream("dep", max_in_flight=1, timeout_s=1)
     assert lease.lease_id is None  # no cap without Redis, counted
     assert access.num_limit_bypasses >= 6
 

@@ -6,7 +6,7 @@ import pytest
 from redis.asyncio.connection import Connection
 from redis.exceptions import DataError
 
-from auth.scripts import encode_command
+from auth.resp_pipe import encode_command
 
 
 @pytest.mark.parametrize(

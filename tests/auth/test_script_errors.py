@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from redis.exceptions import ResponseError
 
 from auth.access import AccessConfig, RedisAccess
+from auth.base import SettleUsage
 from auth.redis_client import connect
 from auth.scripts import LuaScript, ScriptError, ScriptSet, StorageError, classify_failure
 from auth.store import KeyStore
@@ -51,7 +52,7 @@ async def test_a_failing_settle_is_counted_and_never_turns_limits_off(
         with caplog.at_level(logging.ERROR, logger="unigate.auth"):
             for _ in range(2):
                 admission = await access.admit(secret, model="m", estimated_tokens=1, request_id="req-1")
-                await access.settle(admission, prompt_tokens=5, completion_tokens=4)  # never raises
+                await access.settle(admission, SettleUsage(5, 4))  # never raises
         assert access.num_script_errors == {"settle_request": 2}
         assert access.num_storage_errors == 0 and access.num_limit_bypasses == 0
         logged = [r.getMessage() for r in caplog.records if "settle_request" in r.getMessage()]
@@ -94,7 +95,7 @@ async def test_a_failing_upstream_lease_is_a_500_not_an_uncapped_call(redis_url:
     access, client = await make_access(redis_url, tmp_path, script_set)
     try:
         with pytest.raises(ScriptError):
-            await access.acquire_upstream("dep", max_in_flight=1, timeout_s=0.5)
+            await access.upstream_limiter.acquire_upstream("dep", max_in_flight=1, timeout_s=0.5)
         assert access.num_script_errors["acquire_upstream"] == 1 and access.num_limit_bypasses == 0
     finally:
         await access.aclose()

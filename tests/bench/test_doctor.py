@@ -11,7 +11,7 @@ from fakes.upstream import FakeUpstream
 from typer.testing import CliRunner
 
 from bench.cli import register
-from gateway.doctor import CheckStatus, Diagnosis, client_config, diagnose
+from bench.doctor import CheckStatus, Diagnosis, client_config, diagnose
 
 GOOD_KEY = "sk-ug-good0123456789"
 KEYS = {GOOD_KEY: "ok", "sk-ug-revoked": "revoked", "sk-ug-expired": "expired"}

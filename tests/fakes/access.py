@@ -1,6 +1,7 @@
-"""A recording `AccessControl` for tests: the master key plus named keys with model allowlists, and a log of
-every admit / settle / acquire_upstream / release_upstream call (to prove usage is settled and leases freed).
-Deployments named in `full` answer every acquire with 503 `upstream_at_capacity`, as a saturated pool does."""
+"""A recording `AccessControl` and `UpstreamLimiter` in one object for tests: the master key plus named keys with
+model allowlists, and a log of every admit / settle / acquire_upstream / release_upstream call (to prove usage is
+settled and leases freed). Deployments named in `full` answer every acquire with 503 `upstream_at_capacity`, as a
+saturated pool does. `fakes.app.build_app` passes it as both."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
-from auth.base import Admission, MasterKeyAccess, Principal, UpstreamLease
+from auth.base import Admission, MasterKeyAccess, Principal, SettleUsage, UpstreamLease
 from gateway.errors import AuthError, PermissionDeniedError, UnavailableError
 
 __all__ = ["RecordingAccess", "Settled"]
@@ -60,19 +61,13 @@ class RecordingAccess(MasterKeyAccess):
             headers={"x-ratelimit-remaining-requests": "99"},
         )
 
-    def begin_settle(
-        self,
-        admission: Admission,
-        *,
-        prompt_tokens: int,
-        completion_tokens: int,
-        cost_micros: int = 0,
-        is_priced: bool = False,
-    ) -> Awaitable[None]:
+    def begin_settle(self, admission: Admission, usage: SettleUsage) -> Awaitable[None]:
         if admission.is_settled:
             raise AuthError("settled twice")  # the pipeline must settle exactly once
-        self.settled.append(Settled(admission.model, prompt_tokens, completion_tokens, cost_micros, is_priced))
-        return super().begin_settle(admission, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+        self.settled.append(
+            Settled(admission.model, usage.prompt_tokens, usage.completion_tokens, usage.cost_micros, usage.is_priced)
+        )
+        return super().begin_settle(admission, usage)
 
     async def acquire_upstream(self, deployment: str, *, max_in_flight: int, timeout_s: float) -> UpstreamLease:
         self.acquired.append(deployment)

@@ -34,9 +34,11 @@ def make_settings(**overrides: Any) -> Settings:
 def build_app(
     routing: dict[str, Any], *, access: RecordingAccess | None = None, backends: Any = None, **settings: Any
 ) -> Starlette:
+    access = access or RecordingAccess(master_key=MASTER)
     return create_app(
         make_settings(**settings),
-        access=access or RecordingAccess(master_key=MASTER),
+        access=access,
+        upstream_limiter=access,
         routing=parse_routing(routing, source="test.yaml"),
         backends=backends,
     )

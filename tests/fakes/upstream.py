@@ -24,7 +24,11 @@ Modes (`Behavior.mode`):
     drop              read the request, then close the connection without answering
     html              status 200 with an HTML page
     malformed         status 200 with a broken JSON body; `variant` one of MALFORMED_VARIANTS
-    stream_cut        stream `cut_after` chunks, then close the connection mid-body
+    stream_cut        stream `cut_after` chunks, then close the connection mid-body; with `cut_when` (a
+                      `threading.Event`) the close waits until the test sets it (or `hold_s` passes). A test that
+                      asserts what arrived before the cut needs this: it sets the event once its client has seen
+                      those events. Cut at once, the close can overtake them: the gateway's HTTP client (aiohttp)
+                      raises the payload error before handing over bytes it received but had not read yet.
     malformed_chunk   stream `cut_after` chunks, then one broken chunk (`variant`: not_json | no_delta |
                       choices_not_list), then [DONE]
     error_chunk       stream `cut_after` chunks, then `data: {"error": {...}}`
@@ -88,6 +92,7 @@ class Behavior:
     size: int = 0
     hold_s: float = 60.0
     usage: dict[str, Any] | None = None  # reported instead of the default usage (e.g. absurd figures)
+    cut_when: threading.Event | None = None  # stream_cut: cut only once this is set (see the module docstring)
 
 
 @dataclass
@@ -288,6 +293,11 @@ class FakeUpstream:
                     is_aborted = True
                     return False
                 if event is None:  # the cut point of stream_cut
+                    if behavior.cut_when is not None:
+                        await _until_set(behavior.cut_when, client_gone, behavior.hold_s)
+                        if client_gone.done():
+                            is_aborted = True
+                            return False
                     writer.transport.abort()
                     return False
                 writer.write(b"%x\r\n%s\r\n" % (len(event), event))
@@ -347,6 +357,15 @@ class FakeUpstream:
             client_gone.cancel()
             with contextlib.suppress(BaseException):
                 await client_gone
+
+
+async def _until_set(event: threading.Event, client_gone: asyncio.Future[bytes], timeout_s: float) -> None:
+    """Wait until the test sets `event` (from its own thread, hence polled), the client goes away or `timeout_s`
+    passes."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not event.is_set() and not client_gone.done() and loop.time() < deadline:
+        await asyncio.wait((client_gone,), timeout=0.005)
 
 
 def _write_chunk(writer: asyncio.StreamWriter, data: bytes) -> None:

@@ -1,7 +1,7 @@
 """Output limits for upstreams whose context length the routing file gives (issue 20, item 1): a max_tokens that
 does not fit next to the (estimated) prompt is lowered, said in `x-unigate-max-tokens-clamped` and a debug line,
 on the OpenAI, Anthropic and Responses routes alike; admission reserves the lowered figure. The local engine's own
-clamp is tested in tests/local_engine/test_engine_output_limits.py."""
+clamp is tested in tests/backends/test_local_output_limits.py."""
 
 from __future__ import annotations
 

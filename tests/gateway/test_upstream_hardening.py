@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends.openai import OpenAIBackend
+from backends.sse import SSEDecoder
 from gateway.errors import BackendError
-from gateway.sse import SSEDecoder
 
 MiB = 1024 * 1024
 STREAM = {**CHAT, "stream": True}

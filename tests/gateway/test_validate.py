@@ -1,4 +1,4 @@
-"""`gateway.validate`: every sampling field of every route family, against a small reference model of the rules."""
+"""`gateway.validate`: every shared field of every route family, against a small reference model of the rules."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from gateway.validate import (
     check_completions,
     check_messages,
     check_responses,
+    require_model,
 )
 
 Check = Callable[[dict[str, Any]], None]
@@ -79,6 +80,31 @@ def is_token_ids(value: Any) -> bool:
     )
 
 
+def is_str(value: Any) -> bool:
+    return type(value) is str
+
+
+def is_tools(value: Any) -> bool:
+    return type(value) is list and all(type(tool) is dict for tool in value)
+
+
+def is_openai_tool_choice(value: Any) -> bool:
+    return value in ("none", "auto", "required") or is_anthropic_tool_choice(value)
+
+
+def is_anthropic_tool_choice(value: Any) -> bool:
+    return type(value) is dict and type(value.get("type")) is str
+
+
+def is_metadata(value: Any) -> bool:
+    return type(value) is dict and all(item is None or type(item) is str for item in value.values())
+
+
+def is_single_choice(value: Any) -> bool:
+    """`n` on Messages and Responses: 1 passes; another valid `n` is refused as unsupported (see `agrees`)."""
+    return value == 1 and is_int(value)
+
+
 def is_logit_bias(value: Any) -> bool:
     if type(value) is not dict or len(value) > MAX_LOGIT_BIAS_ENTRIES:
         return False
@@ -101,6 +127,7 @@ OPENAI = {
     "stop": is_stop,
     "max_tokens": int_in(1, MAX_TOKENS),
     "logit_bias": is_logit_bias,
+    "user": is_str,
     "top_k": is_top_k,
     "min_p": number_in(0, 1),
     "repetition_penalty": number_in(0, 10, is_low_open=True),
@@ -115,6 +142,10 @@ RULES: dict[str, tuple[Check, dict[str, Callable[[Any], bool]]]] = {
             "max_completion_tokens": int_in(1, MAX_TOKENS),
             "logprobs": is_bool,
             "top_logprobs": int_in(0, MAX_TOP_LOGPROBS),
+            "tools": is_tools,
+            "tool_choice": is_openai_tool_choice,
+            "parallel_tool_calls": is_bool,
+            "metadata": is_metadata,
         },
     ),
     "completions": (
@@ -130,6 +161,11 @@ RULES: dict[str, tuple[Check, dict[str, Callable[[Any], bool]]]] = {
             "top_p": number_in(0, 1),
             "top_k": is_top_k,
             "stop_sequences": is_stop_list,
+            "n": is_single_choice,
+            "seed": int_in(-(2**63), 2**63 - 1),
+            "tools": is_tools,
+            "tool_choice": is_anthropic_tool_choice,
+            "metadata": is_metadata,
         },
     ),
     "responses": (
@@ -139,7 +175,17 @@ RULES: dict[str, tuple[Check, dict[str, Callable[[Any], bool]]]] = {
             "max_output_tokens": int_in(1, MAX_TOKENS),
             "temperature": number_in(0, 2),
             "top_p": number_in(0, 1),
+            "top_k": is_top_k,
+            "stop": is_stop,
+            "n": is_single_choice,
+            "seed": int_in(-(2**63), 2**63 - 1),
             "top_logprobs": int_in(0, MAX_TOP_LOGPROBS),
+            "tools": is_tools,
+            "tool_choice": is_openai_tool_choice,
+            "parallel_tool_calls": is_bool,
+            "metadata": is_metadata,
+            "user": is_str,
+            "safety_identifier": is_str,
         },
     ),
 }
@@ -147,7 +193,8 @@ CASES = [(family, name) for family, (_, rules) in RULES.items() for name in rule
 
 
 def agrees(family: str, name: str, value: Any) -> None:
-    """The checker accepts exactly what the reference rule accepts; a rejection names the field."""
+    """The checker accepts exactly what the reference rule accepts; a rejection names the field (or the item of
+    it at fault: `tools[2]`, `metadata.user_id`)."""
     check, rules = RULES[family]
     body = {"model": "m", name: value}
     if value is None or rules[name](value):
@@ -155,10 +202,12 @@ def agrees(family: str, name: str, value: Any) -> None:
         return
     with pytest.raises(InvalidRequestError) as caught:
         check(body)
+    is_unsupported = rules[name] is is_single_choice and int_in(1, MAX_N)(value)
     assert caught.value.status_code == 400
-    assert caught.value.code == "invalid_request"
-    assert caught.value.param == name
-    assert f"`{name}`" in caught.value.message and len(caught.value.message) < 400
+    assert caught.value.code == ("unsupported_parameter" if is_unsupported else "invalid_request")
+    param = caught.value.param
+    assert param is not None and (param == name or param.startswith((f"{name}[", f"{name}.")))
+    assert f"`{param}`" in caught.value.message and len(caught.value.message) < 400
 
 
 # --- values at and around every boundary -------------------------------------------------------------------------
@@ -225,6 +274,17 @@ EDGES: list[Any] = [
     list(range(MAX_STOP_TOKEN_IDS)),
     list(range(MAX_STOP_TOKEN_IDS + 1)),
     {},
+    "auto",
+    "none",
+    "required",
+    "any",
+    {"type": "function", "function": {"name": "f"}},
+    {"type": 5},
+    {"user_id": "user-1"},
+    {"user_id": None},
+    {"user_id": 5},
+    [{"type": "function"}],
+    [{}, 5],
     {"1": 5},
     {"50256": -100},
     {"1": 100.5},
@@ -294,9 +354,36 @@ def test_a_huge_value_is_cut_short_in_the_message() -> None:
     assert len(caught.value.message) < 200
 
 
+@pytest.mark.parametrize(("family", "name"), CASES)
+def test_a_deeply_nested_value_is_refused_with_a_short_message(family: str, name: str) -> None:
+    deep: Any = "deep"
+    for _ in range(5_000):  # deeper than `repr` can go
+        deep = [deep]
+    agrees(family, name, deep)
+    if name in ("metadata", "tools"):
+        agrees(family, name, {"a": deep} if name == "metadata" else [{}, deep])
+
+
 def test_unknown_fields_and_nulls_are_not_looked_at() -> None:
     body = {"model": "m", "temperature": None, "stop": None, "whatever": object(), "n": None}
     check_chat(body)
     check_completions(body)
-    check_messages({"model": "m", "metadata": object(), "top_k": None})
-    check_responses({"model": "m", "reasoning": object(), "stop": [1]})  # Responses has no `stop`
+    check_messages({"model": "m", "thinking": object(), "top_k": None})
+    check_responses({"model": "m", "reasoning": object(), "stop_sequences": [1]})  # Messages' name, not Responses'
+
+
+@pytest.mark.parametrize("check", [check_messages, check_responses])
+def test_more_than_one_choice_is_unsupported_where_the_family_answers_once(check: Check) -> None:
+    check({"model": "m", "n": 1})
+    with pytest.raises(InvalidRequestError) as caught:
+        check({"model": "m", "n": 2})
+    assert (caught.value.code, caught.value.param) == ("unsupported_parameter", "n")
+
+
+@pytest.mark.parametrize("model", [None, "", "  ", 5, True, [], {}])
+def test_model_must_be_a_non_empty_string(model: Any) -> None:
+    body = {} if model is None else {"model": model}
+    with pytest.raises(InvalidRequestError) as caught:
+        require_model(body)
+    assert (caught.value.code, caught.value.param) == ("invalid_request", "model")
+    assert require_model({"model": "gpt-test"}) == "gpt-test"

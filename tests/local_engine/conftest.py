@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from fakes.engine_models import bundled_checkpoint, real_tokenizer, tiny_model_dir  # noqa: F401
 
 from local_engine.config import EngineConfig, ModelConfig
 from local_engine.engine import LLMEngine
@@ -100,41 +100,3 @@ def family(request: pytest.FixtureRequest) -> TinyModel:
 @pytest.fixture
 def llama() -> TinyModel:
     return tiny_model("llama3")
-
-
-@pytest.fixture(scope="session")
-def bundled_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The bundled SmolLM2-135M-Instruct through E2's loader (GGUF dequantized once per session)."""
-    from local_engine.loader import bundled_model_path, load_checkpoint
-
-    return load_checkpoint(bundled_model_path(), cache_dir=tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="session")
-def real_tokenizer(bundled_checkpoint: Any) -> Any:
-    """The bundled model's tokenizer (byte-level BPE, from the GGUF metadata)."""
-    return bundled_checkpoint.tokenizer
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, real_tokenizer: Any) -> Path:
-    """A tiny random Llama saved as a Hugging Face directory with the bundled model's real tokenizer."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=real_tokenizer.vocab_size,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        eos_token_id=None,  # random weights: no EOS, so outputs run to max_tokens
-        initializer_range=0.3,
-    )
-    directory = tmp_path_factory.mktemp("tiny-hf")
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    real_tokenizer.hf.save_pretrained(directory)
-    return directory

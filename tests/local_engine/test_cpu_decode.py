@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from local_engine.cpu_decode import CpuDecoder
-from local_engine.layers import cpu_kernels
+from local_engine.kernels import cpu as cpu_kernels
 from local_engine.sampling_params import SamplingParams
 
 TinyModel = Any  # tests/local_engine/conftest.py's tiny transformers models (fixtures `family`, `llama`)

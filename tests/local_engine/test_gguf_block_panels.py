@@ -15,7 +15,7 @@ from gguf.quants import dequantize, quantize
 
 from local_engine.config import EngineConfig, ModelConfig
 from local_engine.engine import LLMEngine
-from local_engine.layers import cpu_kernels
+from local_engine.kernels import cpu as cpu_kernels
 from local_engine.layers.linear import PackedLinear
 from local_engine.sampling_params import SamplingParams
 
