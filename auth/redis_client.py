@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import os
 import socket
 import subprocess
 import time
@@ -43,6 +45,7 @@ from auth import redis_names
 from auth.redis_sentinel import sentinel_client
 
 __all__ = [
+    "DataDirInUseError",
     "EmbeddedRedis",
     "RedisClient",
     "RedisConnection",
@@ -325,17 +328,27 @@ def redis_server_binary() -> str:
     return str(binary) if binary else "redis-server"
 
 
+class DataDirInUseError(RuntimeError):
+    """Another process serves this data directory's embedded Redis: two servers on one AOF would corrupt it."""
+
+
 class EmbeddedRedis:
     """A redis-server child process persisted under `data_dir`.
 
     `port=None` listens on `data_dir/redis.sock` only (or a free loopback port when that path is too long);
     `port=N` listens on 127.0.0.1:N (tests restart a server on the same port this way).
+
+    One owner per data directory: `start` takes an exclusive lock on `data_dir/redis.lock` (held until `stop`, or
+    released by the kernel when the owner dies), so a second `unigate serve` on the same directory refuses to start
+    with `DataDirInUseError` instead of running a second server on the same AOF or attaching to a server that
+    dies with the first process.
     """
 
     def __init__(self, data_dir: Path, *, port: int | None = None) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.port = port
         self._process: subprocess.Popen[bytes] | None = None
+        self._lock: int | None = None  # the open lock file's descriptor while we own the directory
         socket_path = self.data_dir / "redis.sock"
         self._socket_path = socket_path if port is None and len(str(socket_path)) <= _MAX_UNIX_SOCKET_PATH else None
         if port is None and self._socket_path is None:
@@ -361,8 +374,9 @@ class EmbeddedRedis:
             client.close()
 
     def start(self) -> str:
-        """Start (or attach to an already running) server and wait until it answers; returns its URL."""
+        """Start (or attach to an already running, ownerless) server and wait until it answers; returns its URL."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._take_lock()
         if self._socket_path is not None and self._socket_path.exists() and self._is_answering():
             return self.url
         args = [
@@ -391,10 +405,35 @@ class EmbeddedRedis:
             time.sleep(0.05)
         return self.url
 
+    def _take_lock(self) -> None:
+        if self._lock is not None:
+            return
+        path = self.data_dir / "redis.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DataDirInUseError(
+                f"the data directory {self.data_dir} is in use by another unigate process (pid {owner}) with its "
+                "embedded Redis. Stop that process, give this one its own directory (UNIGATE_DATA_DIR), or share "
+                "one Redis between them (UNIGATE_REDIS_URL)."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock = fd
+
+    def _release_lock(self) -> None:
+        fd, self._lock = self._lock, None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor releases the lock
+
     def stop(self, *, kill: bool = False) -> None:
         """Stop the server we started: SIGTERM (Redis saves and exits) or, with `kill`, SIGKILL like a crash."""
         process, self._process = self._process, None
         if process is None or process.poll() is not None:
+            self._release_lock()
             return
         if kill:
             process.kill()
@@ -405,6 +444,7 @@ class EmbeddedRedis:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        self._release_lock()
 
 
 class RedisConnection:

@@ -23,6 +23,7 @@ import uvicorn
 from pydantic import SecretStr
 from starlette.applications import Starlette
 
+from auth.redis_client import DataDirInUseError
 from gateway.app import create_app, load_routing_for
 from gateway.http_limits import protocol_options
 from gateway.logging import configure_logging
@@ -82,7 +83,10 @@ def app_from_env() -> Starlette:
     if sockets:
         settings = settings.with_engine_sockets(orjson.loads(sockets))
     configure_logging(settings.log_level, settings.log_format)
-    app = build_app(settings)
+    try:
+        app = build_app(settings)
+    except DataDirInUseError as exc:
+        raise SystemExit(f"unigate: {exc}") from None
     # The objects built so far live as long as the worker: move them out of the collector's sight, and collect
     # less often (profiled: ~10% of the hot path's CPU went to the cyclic GC; with this, ~25% less CPU/request).
     gc.collect()
@@ -128,7 +132,10 @@ def run(settings: Settings) -> None:
     if settings.workers > 1 and settings.redis_url is None:
         # Several workers share one embedded server, owned (started and stopped) by this parent process.
         embedded = EmbeddedRedis(settings.data_dir)
-        settings = settings.model_copy(update={"redis_url": embedded.start()})
+        try:
+            settings = settings.model_copy(update={"redis_url": embedded.start()})
+        except DataDirInUseError as exc:
+            raise SystemExit(f"unigate: {exc}") from None
     os.environ[_SETTINGS_ENV] = orjson.dumps(_resolved(settings)).decode()
     os.environ.pop(_ENGINE_SOCKETS_ENV, None)
     config = uvicorn_config(settings)
