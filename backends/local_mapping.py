@@ -210,6 +210,8 @@ class Usage:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.completion_tokens = 0
+        self.spec_proposed = 0
+        self.spec_accepted = 0
         self._seen: set[str] = set()
 
     def add_prompt(self, deltas: list[RequestOutput]) -> None:
@@ -219,6 +221,8 @@ class Usage:
                 self.prompt_tokens += delta.num_prompt_tokens
             if delta.finished:
                 self.cached_tokens += delta.num_cached_tokens
+                self.spec_proposed += delta.num_spec_proposed
+                self.spec_accepted += delta.num_spec_accepted
 
     def as_dict(self) -> Json:
         usage: Json = {
@@ -227,6 +231,8 @@ class Usage:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.spec_proposed:  # an extension field, only where speculative decoding ran
+            usage["speculative"] = {"proposed": self.spec_proposed, "accepted": self.spec_accepted}
         return usage
 
 

@@ -31,6 +31,8 @@ _COUNTERS = {
     "num_preemptions_total": ("unigate_engine_preemptions", "Preemptions since start."),
     "prompt_tokens_total": ("unigate_engine_prompt_tokens", "Prompt tokens computed since start."),
     "generation_tokens_total": ("unigate_engine_generation_tokens", "Tokens generated since start."),
+    "spec_proposed_tokens_total": ("unigate_engine_spec_proposed_tokens", "Speculative tokens proposed."),
+    "spec_accepted_tokens_total": ("unigate_engine_spec_accepted_tokens", "Speculative tokens accepted."),
 }
 
 

@@ -166,6 +166,18 @@ class BlockManager:
             block.token_ids = tuple(seq.token_ids[i * size : (i + 1) * size])
             self.cached_block_ids[block_hash] = block.block_id
 
+    def truncate(self, seq: Sequence) -> None:
+        """Free the blocks of `seq` past its computed tokens (those allocated for rejected proposed tokens).
+        They hold no computed full block, so none has a hash: they go to the front of the free pool."""
+        num_kept = self.num_blocks_for(seq.num_computed_tokens)
+        for block_id in seq.block_table[num_kept:]:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.block_hash is None, f"block {block_id} is shared or cached"
+            self.free_block_ids[block_id] = None
+            self.free_block_ids.move_to_end(block_id, last=False)
+        del seq.block_table[num_kept:]
+
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks at once. Tail blocks are freed first, so they are evicted before the prefix."""
         for block_id in reversed(seq.block_table):

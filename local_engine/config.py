@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-__all__ = ["DTYPE_BYTES", "EngineConfig", "KVCapacity", "ModelConfig"]
+__all__ = ["DTYPE_BYTES", "EngineConfig", "KVCapacity", "ModelConfig", "SpeculativeConfig"]
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -150,6 +150,25 @@ def _is_power_of_two(value: int) -> bool:
     return value > 0 and value & (value - 1) == 0
 
 
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding (`local_engine/speculative.py`): `UNIGATE_ENGINE__SPECULATIVE__<FIELD>`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: Literal["off", "ngram"] = "off"  # ngram: prompt lookup over the request's own prompt and output
+    num_tokens: int = Field(default=4, ge=1, le=16)  # k: the most tokens proposed per sequence and step
+    ngram_max: int = Field(default=3, ge=1)  # the longest suffix looked up first...
+    ngram_min: int = Field(default=2, ge=1)  # ...then shorter ones, down to this
+    # Speculate only while at most this many sequences run; a larger batch decodes normally.
+    max_num_seqs: int = Field(default=4, ge=1)
+
+    @model_validator(mode="after")
+    def _check_ngram(self) -> SpeculativeConfig:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        return self
+
+
 class EngineConfig(BaseModel):
     """How the engine runs a model: the run options, declared once (the gateway's `EngineSettings` extends this
     model with its own fields, so `UNIGATE_ENGINE__<FIELD>` reads each of these). Validated when built, so a bad
@@ -178,6 +197,7 @@ class EngineConfig(BaseModel):
     # CPU, with cpu_kernels: decode-size projections read a GGUF checkpoint's Q4_1/Q8_0 blocks as stored (the same
     # float32 results, 5-6x fewer bytes per step) instead of float32 panels
     cpu_gguf_blocks: bool = True
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     @field_validator("block_size")
     @classmethod

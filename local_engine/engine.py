@@ -34,10 +34,11 @@ from local_engine.output_processor import (
     TokenLogprob,
     accumulate,
 )
-from local_engine.sampler import Sampler, SamplerOutput
+from local_engine.sampler import Sampler, SamplerOutput, VerifyOutput
 from local_engine.sampling_params import SamplingParams
-from local_engine.scheduler import Scheduler
+from local_engine.scheduler import ScheduledBatch, Scheduler
 from local_engine.sequence import FinishReason, Sequence
+from local_engine.speculative import build_speculator, off_stats
 
 __all__ = ["LLMEngine", "PromptTooLongError"]
 
@@ -54,6 +55,19 @@ class _Request:
     def is_finished(self) -> bool:
         seqs = self.seqs
         return seqs[0].is_finished if len(seqs) == 1 else all(s.is_finished for s in seqs)
+
+    def final_output(self, outputs: list[CompletionOutput]) -> RequestOutput:
+        """The request's last output, with its speculative decoding totals."""
+        first = self.seqs[0]
+        return RequestOutput(
+            self.request_id,
+            outputs,
+            first.num_prompt_tokens,
+            first.num_cached_tokens,
+            finished=True,
+            num_spec_proposed=sum(s.num_spec_proposed for s in self.seqs),
+            num_spec_accepted=sum(s.num_spec_accepted for s in self.seqs),
+        )
 
 
 class LLMEngine:
@@ -77,6 +91,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._generate_ids = itertools.count()
         self.block_manager, self.scheduler, self.sampler = self._build_scheduling()
+        self.speculator = build_speculator(engine_config.speculative)
 
     def _build_scheduling(self) -> tuple[BlockManager, Scheduler, Sampler]:
         config = self.engine_config
@@ -192,7 +207,9 @@ class LLMEngine:
                 outputs.append(
                     CompletionOutput(seq.index, finish_reason="abort", num_output_tokens=seq.num_output_tokens)
                 )
-        return RequestOutput(request_id, outputs, request.seqs[0].num_prompt_tokens, finished=True)
+        final = request.final_output(outputs)
+        final.num_cached_tokens = 0
+        return final
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -202,6 +219,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return the requests that progressed."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.scheduler.max_model_len)
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
@@ -211,6 +230,8 @@ class LLMEngine:
             for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
         )
         logits = self.runner.run(batch)
+        if self.speculator is not None and any(s.spec_token_ids for s in sampling_seqs):
+            return self._verify_step(batch, sampling_seqs, logits, num_prompt)
         sampled, failed = self._sample(logits, sampling_seqs)
         self.scheduler.postprocess(batch, sampled.token_ids)
         self.meter.record(num_prompt, len(sampling_seqs))
@@ -227,23 +248,110 @@ class LLMEngine:
                 continue
             if logprob is not None:
                 out.logprobs = [logprob]
-            entry = changed.get(seq.request_id)
-            if entry is None:
-                changed[seq.request_id] = (request, [out])
-            else:
-                entry[1].append(out)
+            _collect(changed, request, out)
+        return self._results(changed, failed)
+
+    def _results(
+        self, changed: dict[str, tuple[_Request, list[CompletionOutput]]], failed: dict[str, Exception]
+    ) -> list[RequestOutput]:
         results = [self._fail_request(request_id, error) for request_id, error in failed.items()]
         for request_id, (request, outputs) in changed.items():
             if request_id in failed:
                 continue
-            finished = request.is_finished
-            if finished:
-                del requests[request_id]
+            if request.is_finished:
+                del self.requests[request_id]
+                results.append(request.final_output(outputs))
+                continue
             first = request.seqs[0]
-            results.append(
-                RequestOutput(request_id, outputs, first.num_prompt_tokens, first.num_cached_tokens, finished)
-            )
+            results.append(RequestOutput(request_id, outputs, first.num_prompt_tokens, first.num_cached_tokens))
         return results
+
+    def _verify_step(
+        self, batch: ScheduledBatch, seqs: list[Sequence], logits: torch.Tensor, num_prompt: int
+    ) -> list[RequestOutput]:
+        """The rest of a step in which some sequences verify proposed tokens (`local_engine/speculative.py`)."""
+        speculator = self.speculator
+        assert speculator is not None
+        verified, failed = self._verify(logits, seqs)
+        num_proposed = [len(s.spec_token_ids) for s in seqs]
+        num_before = [len(s.token_ids) for s in seqs]
+        self.scheduler.postprocess(batch, verified.token_ids, verified.accepted_token_ids)
+        for seq, proposed, accepted in zip(seqs, num_proposed, verified.accepted_token_ids, strict=True):
+            if proposed:
+                speculator.record(seq, proposed, len(accepted))
+        self.meter.record(num_prompt, sum(len(s.token_ids) - n for s, n in zip(seqs, num_before, strict=True)))
+        changed: dict[str, tuple[_Request, list[CompletionOutput]]] = {}
+        for seq, before, logprobs in zip(seqs, num_before, verified.logprobs, strict=True):
+            if seq.request_id in failed:
+                continue
+            request = self.requests[seq.request_id]
+            try:
+                out = self._process_tokens(seq, request, before)
+            except Exception as error:  # this request's own processing: fail it alone
+                failed[seq.request_id] = error
+                continue
+            if logprobs[0] is not None:
+                out.logprobs = [lp for lp in logprobs[: len(out.token_ids)] if lp is not None]
+            _collect(changed, request, out)
+        return self._results(changed, failed)
+
+    def _verify(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[VerifyOutput, dict[str, Exception]]:
+        """`Sampler.verify` over the batch; when that raises, sequence by sequence (as `_sample` does)."""
+        try:
+            return self.sampler.verify(logits, seqs), {}
+        except Exception:
+            pass
+        merged = VerifyOutput([], [], [])
+        failed: dict[str, Exception] = {}
+        row = 0
+        for seq in seqs:
+            num_rows = len(seq.spec_token_ids) + 1
+            try:
+                out = self.sampler.verify(logits[row : row + num_rows], [seq])
+            except Exception as error:
+                failed.setdefault(seq.request_id, error)
+                out = VerifyOutput([[]], [0], [[None]])
+            merged.accepted_token_ids.extend(out.accepted_token_ids)
+            merged.token_ids.extend(out.token_ids)
+            merged.logprobs.extend(out.logprobs)
+            row += num_rows
+        return merged, failed
+
+    def _process_tokens(self, seq: Sequence, request: _Request, num_before: int) -> CompletionOutput:
+        """`_process_token` for the tokens a verification appended (`seq.token_ids[num_before:]`): a stop string
+        completed before the last of them ends the sequence there, and the tokens after it are dropped, as if
+        they had never been generated."""
+        new_token_ids = seq.token_ids[num_before:]
+        if len(new_token_ids) == 1:
+            return self._process_token(seq, request)
+        detokenizer = request.detokenizers[seq.index]
+        finished = seq.is_finished
+        text = ""
+        if detokenizer is not None:
+            # EOS and stop token ids end the text without appearing in it.
+            feed = new_token_ids[:-1] if finished and seq.finish_reason is FinishReason.STOP else new_token_ids
+            for i, token_id in enumerate(feed):
+                text += detokenizer.add_tokens([token_id])
+                if detokenizer.stop_reason is None:
+                    continue
+                if i + 1 < len(new_token_ids) or not finished:
+                    del seq.token_ids[num_before + i + 1 :]
+                    new_token_ids = new_token_ids[: i + 1]
+                    if finished:
+                        seq.finish_reason = FinishReason.STOP
+                    else:
+                        self.scheduler.finish(seq, FinishReason.STOP)
+                        finished = True
+                    seq.stop_reason = detokenizer.stop_reason
+                break
+            if finished:
+                text += detokenizer.flush()
+        num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+        if not finished:
+            return CompletionOutput(seq.index, text, new_token_ids, num_output_tokens=num_output_tokens)
+        self.sampler.forget(seq)
+        reason = seq.finish_reason.value if seq.finish_reason is not None else None
+        return CompletionOutput(seq.index, text, new_token_ids, None, reason, seq.stop_reason, num_output_tokens)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[SamplerOutput, dict[str, Exception]]:
         """Sample the batch; when that raises, sample row by row so only the requests whose rows raise fail.
@@ -369,4 +477,16 @@ class LLMEngine:
             "num_steps": self.meter.num_steps,
             "max_model_len": self.max_model_len,
             "capacity": self.capacity.as_dict(),
+            **(self.speculator.stats() if self.speculator is not None else off_stats()),
         }
+
+
+def _collect(
+    changed: dict[str, tuple[_Request, list[CompletionOutput]]], request: _Request, out: CompletionOutput
+) -> None:
+    """Add one sequence's output of this step to its request's entry."""
+    entry = changed.get(request.request_id)
+    if entry is None:
+        changed[request.request_id] = (request, [out])
+    else:
+        entry[1].append(out)

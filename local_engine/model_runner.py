@@ -304,16 +304,27 @@ class ModelRunner:
         int32 buffer (context lengths, query offsets, block tables), sliced into views on the device."""
         size = self.block_size
         seqs = batch.seqs
-        num_decode = batch.num_decode_seqs
-        decodes = seqs[:num_decode]
+        num_decode_seqs = batch.num_decode_seqs
+        decodes = seqs[:num_decode_seqs]
         # A decode row computes the sequence's last token, at position num_tokens - 1, and always samples.
         positions = [len(seq.token_ids) - 1 for seq in decodes]
         input_ids = [seq.token_ids[-1] for seq in decodes]
-        slots = [seq.block_table[p // size] * size + p % size for seq, p in zip(decodes, positions, strict=True)]
+        tables = [seq.block_table for seq in decodes]
+        num_plain = num_decode_seqs + batch.num_verify_seqs
+        if batch.num_verify_seqs:
+            # A verification is decode rows too: its last token and each proposed token at the next positions,
+            # each attending to the KV before it (every layer writes the rows' KV before its attention reads it).
+            for seq in seqs[num_decode_seqs:num_plain]:
+                start = len(seq.token_ids) - 1
+                input_ids.extend((seq.token_ids[-1], *seq.spec_token_ids))
+                positions.extend(range(start, start + 1 + len(seq.spec_token_ids)))
+                tables.extend([seq.block_table] * (1 + len(seq.spec_token_ids)))
+        num_decode = len(input_ids)  # decode rows
+        slots = [table[p // size] * size + p % size for table, p in zip(tables, positions, strict=True)]
         context_lens = [p + 1 for p in positions]
         logits_indices = list(range(num_decode))
         prefill_cu = [0]
-        for seq, num_new in zip(seqs[num_decode:], batch.num_new_tokens[num_decode:], strict=True):
+        for seq, num_new in zip(seqs[num_plain:], batch.num_new_tokens[num_plain:], strict=True):
             start = seq.num_computed_tokens
             end = start + num_new
             input_ids.extend(seq.token_ids[start:end])
@@ -325,10 +336,9 @@ class ModelRunner:
             if end == seq.num_tokens:
                 logits_indices.append(len(input_ids) - 1)
         num_tokens = len(input_ids)
-        num_prefill = len(seqs) - num_decode
-        tables = [seq.block_table for seq in seqs]
-        decode_tables = _block_table_array(tables[:num_decode])
-        prefill_tables = _block_table_array(tables[num_decode:])
+        num_prefill = len(seqs) - num_plain
+        decode_tables = _block_table_array(tables)
+        prefill_tables = _block_table_array([seq.block_table for seq in seqs[num_plain:]])
 
         longs = np.array(input_ids + positions + slots + logits_indices, dtype=np.int64)
         ints = np.concatenate(
@@ -346,7 +356,7 @@ class ModelRunner:
         t = num_tokens
         input_ids_t, positions_t, slots_t = longs_t[:t], longs_t[t : 2 * t], longs_t[2 * t : 3 * t]
         logits_indices_t = longs_t[3 * t :]
-        num_seqs = len(seqs)
+        num_seqs = num_decode + num_prefill  # decode rows and prefill sequences: one context length each
         offset = num_seqs + num_prefill + 1
         decode_tables_t = ints_t[offset : offset + decode_tables.size].view(decode_tables.shape)
         offset += decode_tables.size
@@ -364,12 +374,13 @@ class ModelRunner:
             meta.prefill_block_tables = ints_t[offset : offset + prefill_tables.size].view(prefill_tables.shape)
             meta.prefill_cu_seqlens_q = ints_t[num_seqs : num_seqs + num_prefill + 1]
             meta.prefill_context_lens = ints_t[num_decode:num_seqs]
-            meta.prefill_max_seqlen_q = max(batch.num_new_tokens[num_decode:])
+            meta.prefill_max_seqlen_q = max(batch.num_new_tokens[num_plain:])
         return input_ids_t, positions_t, meta, logits_indices_t
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Forward the batch; float32 logits [N, vocab] for the N sequences that sample, in batch order."""
+        """Forward the batch; float32 logits [N, vocab] for the N sequences that sample, in batch order (a sequence
+        verifying proposed tokens has one row per query position: 1 + len(spec_token_ids))."""
         input_ids, positions, meta, logits_indices = self.prepare(batch)
         if self.graphs is not None and self.graphs.can_run(meta, input_ids.shape[0]):
             hidden = self.graphs.run(input_ids, positions, meta)

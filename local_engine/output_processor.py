@@ -167,6 +167,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finished: bool = False  # every choice has finished
     error: Exception | None = None  # set on a request's final output when the engine failed it (outputs empty)
+    # On the final output: speculative decoding's proposed and accepted tokens over all choices (0: it never ran)
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
 
 
 def accumulate(deltas: list[RequestOutput], n: int) -> list[CompletionOutput]:

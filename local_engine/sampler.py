@@ -14,13 +14,23 @@ import torch
 from local_engine.output_processor import TokenLogprob
 from local_engine.sequence import Sequence
 
-__all__ = ["Sampler", "SamplerOutput"]
+__all__ = ["Sampler", "SamplerOutput", "VerifyOutput"]
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+
+
+@dataclass
+class VerifyOutput:
+    """Per sequence: its accepted proposed tokens, then the target's own token (`token_ids`), and the logprobs
+    of all of them in that order (None entries where the request asked for none)."""
+
+    accepted_token_ids: list[list[int]]
+    token_ids: list[int]
+    logprobs: list[list[TokenLogprob | None]]
 
 
 class Sampler:
@@ -47,12 +57,7 @@ class Sampler:
         vocab = logits.shape[1]
         device = logits.device
         params = [s.params for s in seqs]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
-        if any(p.logit_bias for p in params):
-            logits = self._apply_logit_bias(logits, seqs)
-        logits = self._mask_min_tokens(logits, seqs)
-        if any(p.has_penalties for p in params):
-            logits = self._apply_penalties(logits, seqs)
+        logits, raw_logprobs = self._process(logits, seqs)
         greedy = logits.argmax(dim=-1)
         if all(p.is_greedy for p in params):
             tokens = greedy
@@ -62,6 +67,78 @@ class Sampler:
             )
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, self._logprobs(raw_logprobs, token_ids, seqs, vocab))
+
+    def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits every pick reads (logit_bias, the min_tokens mask, penalties; one row per entry of `seqs`),
+        and the raw log-probabilities when some row reports logprobs."""
+        params = [s.params for s in seqs]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
+        if any(p.logit_bias for p in params):
+            logits = self._apply_logit_bias(logits, seqs)
+        logits = self._mask_min_tokens(logits, seqs)
+        if any(p.has_penalties for p in params):
+            logits = self._apply_penalties(logits, seqs)
+        return logits, raw_logprobs
+
+    @torch.inference_mode()
+    def verify(self, logits: torch.Tensor, seqs: list[Sequence]) -> VerifyOutput:
+        """logits [sum(1 + len(s.spec_token_ids)), V]: one row per query position of each sequence, in order.
+
+        At each position the target picks its token exactly as `__call__` would (argmax, or a sample of the
+        processed distribution); proposed tokens are accepted while they equal the pick, and the pick at the first
+        mismatch (or after the last proposal) is the sequence's new token. A seeded sequence draws its noise row by
+        row and stops at the first mismatch, so it consumes one draw per token it gains: the same stream, and so
+        the same output, as without speculation. Requests with penalties or short of `min_tokens` never propose
+        (`local_engine/speculative.py`), so every row's processing is the same as a plain step's."""
+        proposals = [s.spec_token_ids for s in seqs]
+        rows = [s for s, p in zip(seqs, proposals, strict=True) for _ in range(len(p) + 1)]
+        vocab = logits.shape[1]
+        params = [s.params for s in rows]
+        logits, raw_logprobs = self._process(logits, rows)
+        picks = logits.argmax(dim=-1)
+        if not all(p.is_greedy for p in params):
+            picks = self._verify_random(logits, seqs, rows, picks)
+        pick_ids = picks.tolist()
+        row_logprobs = self._logprobs(raw_logprobs, pick_ids, rows, vocab)
+        accepted: list[list[int]] = []
+        tokens: list[int] = []
+        logprobs: list[list[TokenLogprob | None]] = []
+        row = 0
+        for proposal in proposals:
+            num_accepted = 0
+            while num_accepted < len(proposal) and pick_ids[row + num_accepted] == proposal[num_accepted]:
+                num_accepted += 1
+            accepted.append(proposal[:num_accepted])
+            tokens.append(pick_ids[row + num_accepted])
+            logprobs.append(row_logprobs[row : row + num_accepted + 1])
+            row += len(proposal) + 1
+        return VerifyOutput(accepted, tokens, logprobs)
+
+    def _verify_random(
+        self, logits: torch.Tensor, seqs: list[Sequence], rows: list[Sequence], greedy: torch.Tensor
+    ) -> torch.Tensor:
+        """The picks of `verify` with sampling rows: unseeded rows race global noise (each row independent);
+        seeded rows draw from their generator one position at a time, up to the first mismatch."""
+        device = logits.device
+        generators = [
+            self._generator(s, device) if s.params.seed is not None and not s.params.is_greedy else None for s in seqs
+        ]
+        probs = self._probs(logits, rows)
+        noise = torch.empty_like(probs).exponential_()
+        is_greedy = torch.tensor([s.params.is_greedy for s in rows], device=device)
+        picks = torch.where(is_greedy, greedy, (probs / noise).argmax(dim=-1))
+        row = 0
+        for seq, generator in zip(seqs, generators, strict=True):
+            proposal = seq.spec_token_ids
+            if generator is not None:
+                for j in range(len(proposal) + 1):
+                    draw = torch.empty_like(probs[row + j]).exponential_(generator=generator)
+                    pick = int((probs[row + j] / draw).argmax())
+                    picks[row + j] = pick
+                    if j == len(proposal) or pick != proposal[j]:
+                        break
+            row += len(proposal) + 1
+        return picks
 
     def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """OpenAI `logit_bias`: each request's biases added to its row (-100 or 100 in effect ban or force)."""
@@ -120,12 +197,22 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         device = logits.device
-        params = [s.params for s in seqs]
         # Generators first: if one row's cannot be made, no other seeded row has drawn yet, and the engine's
         # row-by-row retry (which fails only that row's request) keeps the others reproducible.
         generators = [
             self._generator(s, device) if s.params.seed is not None and not s.params.is_greedy else None for s in seqs
         ]
+        probs = self._probs(logits, seqs)
+        noise = torch.empty_like(probs).exponential_()
+        for i, generator in enumerate(generators):
+            if generator is not None:
+                noise[i].exponential_(generator=generator)
+        return (probs / noise).argmax(dim=-1)
+
+    def _probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The distribution each row samples from: temperature, top-k / top-p, min-p."""
+        device = logits.device
+        params = [s.params for s in seqs]
         # Greedy rows are replaced by the argmax afterwards; temperature 1 keeps them finite meanwhile.
         temperatures = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
         logits = logits / temperatures[:, None]
@@ -135,11 +222,7 @@ class Sampler:
         if any(p.min_p > 0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
             probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-        noise = torch.empty_like(probs).exponential_()
-        for i, generator in enumerate(generators):
-            if generator is not None:
-                noise[i].exponential_(generator=generator)
-        return (probs / noise).argmax(dim=-1)
+        return probs
 
     def _top_k_top_p(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         vocab = logits.shape[1]

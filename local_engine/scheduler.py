@@ -27,6 +27,8 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_decode_seqs: int = 0  # seqs[:num_decode_seqs] compute exactly one token with KV already cached
+    # the next num_verify_seqs verify proposed tokens: their last token and `spec_token_ids`, KV cached before them
+    num_verify_seqs: int = 0
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -38,8 +40,11 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
     def sampling_mask(self) -> list[bool]:
-        """Which sequences reach their last known token this step, and so sample a new one."""
-        return [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens, strict=True)]
+        """Which sequences reach their last known token (and proposed tokens) this step, and so sample."""
+        return [
+            s.num_computed_tokens + n == s.num_tokens + len(s.spec_token_ids)
+            for s, n in zip(self.seqs, self.num_new_tokens, strict=True)
+        ]
 
 
 class Scheduler:
@@ -108,6 +113,8 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             if num_new == 0:
                 break
+            if seq.spec_token_ids:
+                num_new += self._fit_proposal(seq, budget)
             if num_new == 1 and seq.num_computed_tokens % block_size:
                 scheduled[seq] = 1  # the token goes into the last block, which has room: nothing to allocate
                 budget -= 1
@@ -126,22 +133,37 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(scheduled, budget)
         # Decodes first, longest context first (attention groups sequences of similar length), then prefills.
+        # Verifications next: the model runner computes them as decode rows, one per query position.
         decode_seqs: list[Sequence] = []
+        verify_seqs: list[Sequence] = []
+        verify_new: list[int] = []
         prefill_seqs: list[Sequence] = []
         prefill_new: list[int] = []
         for seq, n in scheduled.items():
             if n == 1 and len(seq.token_ids) - seq.num_computed_tokens == 1:
                 decode_seqs.append(seq)
+            elif seq.spec_token_ids:
+                verify_seqs.append(seq)
+                verify_new.append(n)
             else:
                 prefill_seqs.append(seq)
                 prefill_new.append(n)
         decode_seqs.sort(key=lambda s: -len(s.token_ids))
         return ScheduledBatch(
-            seqs=decode_seqs + prefill_seqs,
-            num_new_tokens=[1] * len(decode_seqs) + prefill_new,
+            seqs=decode_seqs + verify_seqs + prefill_seqs,
+            num_new_tokens=[1] * len(decode_seqs) + verify_new + prefill_new,
             num_decode_seqs=len(decode_seqs),
+            num_verify_seqs=len(verify_seqs),
             preempted=preempted,
         )
+
+    def _fit_proposal(self, seq: Sequence, budget: int) -> int:
+        """Trim a decode's proposed tokens to the budget left after its own token and to the free blocks (short
+        of blocks, it decodes normally rather than preempt anyone); returns how many stay."""
+        del seq.spec_token_ids[budget - 1 :]
+        if seq.spec_token_ids and not self.block_manager.can_append(seq, 1 + len(seq.spec_token_ids)):
+            seq.spec_token_ids = []
+        return len(seq.spec_token_ids)
 
     def _admit_waiting(self, scheduled: dict[Sequence, int], budget: int) -> int:
         """Move waiting sequences into the running set in arrival order while budget and blocks allow."""
@@ -166,6 +188,7 @@ class Scheduler:
         return budget
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.spec_token_ids = []
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
@@ -173,15 +196,29 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
+    def postprocess(
+        self,
+        batch: ScheduledBatch,
+        sampled_token_ids: list[int],
+        accepted_token_ids: list[list[int]] | None = None,
+    ) -> list[Sequence]:
         """Record the computed tokens and append each sampling sequence's new token (in batch order).
-        Returns the sequences that received a token; finished ones are already freed."""
+        `accepted_token_ids` (speculative steps): per sampling sequence, its accepted proposed tokens, which come
+        before its sampled token. Returns the sequences that received tokens; finished ones are already freed."""
         updated: list[Sequence] = []
         tokens = iter(sampled_token_ids)
+        accepted = iter(accepted_token_ids) if accepted_token_ids is not None else None
         size = self.block_manager.block_size
         cache_full_blocks = self.block_manager.cache_full_blocks
         max_model_len = self.max_model_len
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.spec_token_ids:
+                assert accepted is not None, "a speculative step needs the accepted tokens"
+                self._append_verified(seq, [*next(accepted), next(tokens)])
+                updated.append(seq)
+                continue
+            if accepted is not None and seq.num_computed_tokens + num_new == len(seq.token_ids):
+                next(accepted)  # a sequence without a proposal in a speculative step
             before = seq.num_computed_tokens
             seq.num_computed_tokens = computed = before + num_new
             if computed // size != before // size:  # a block became full
@@ -193,6 +230,25 @@ class Scheduler:
             if seq.check_stop(max_model_len):
                 self.finish(seq, seq.finish_reason or FinishReason.STOP)
         return updated
+
+    def _append_verified(self, seq: Sequence, new_token_ids: list[int]) -> None:
+        """Append a verified sequence's accepted tokens and the target's token, up to a stop condition; its KV is
+        then valid up to (not including) its last token: the blocks past that are freed (the rejected tail)."""
+        seq.spec_token_ids = []
+        before = seq.num_computed_tokens
+        is_stopped = False
+        for token_id in new_token_ids:
+            seq.token_ids.append(token_id)
+            if seq.check_stop(self.max_model_len):
+                is_stopped = True
+                break
+        seq.num_computed_tokens = computed = len(seq.token_ids) - 1
+        self.block_manager.truncate(seq)
+        size = self.block_manager.block_size
+        if computed // size != before // size:
+            self.block_manager.cache_full_blocks(seq, before)
+        if is_stopped:
+            self.finish(seq, seq.finish_reason or FinishReason.STOP)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End `seq` now (stop condition, stop string or abort) and free its blocks."""

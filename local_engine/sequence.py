@@ -42,10 +42,16 @@ class Sequence:
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
+        "num_spec_accepted",
+        "num_spec_misses",
+        "num_spec_paused_steps",
+        "num_spec_proposed",
+        "num_spec_tokens",
         "params",
         "parent",
         "request_id",
         "seq_id",
+        "spec_token_ids",
         "status",
         "stop_reason",
         "token_ids",
@@ -81,6 +87,14 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # Speculative decoding (local_engine/speculative.py): this step's proposed tokens, which follow
+        # `token_ids` and are verified by the step; the totals over the sequence; the adaptive proposal length.
+        self.spec_token_ids: list[int] = []
+        self.num_spec_proposed = 0
+        self.num_spec_accepted = 0
+        self.num_spec_tokens = -1  # the next proposal's length; -1: not started (the setting's k)
+        self.num_spec_misses = 0  # verifications in a row that accepted nothing
+        self.num_spec_paused_steps = 0  # steps left without proposals after a streak of misses
 
     def __repr__(self) -> str:
         return (

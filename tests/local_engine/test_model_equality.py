@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from local_engine.sampling_params import SamplingParams
+from local_engine.sequence import Sequence
 
 VOCAB = 160  # the tiny models' vocabulary (tests/local_engine/conftest.py)
 TinyModel = Any
@@ -22,6 +24,49 @@ def prompts(lengths: list[int], seed: int = 0, prefix: list[int] | None = None) 
 def check_equal(model: TinyModel, batch: list[list[int]], outputs: list[list[int]], max_new: int = 12) -> None:
     for prompt, got in zip(batch, outputs, strict=True):
         assert got == model.hf_greedy(prompt, max_new), f"{model.name}: prompt of {len(prompt)} tokens differs"
+
+
+class OracleProposer:
+    """Proposes transformers' own greedy continuation, with every third proposal's last token wrong: verification
+    then sees full acceptances, partial ones and rejections (tiny random models rarely repeat themselves, so
+    prompt lookup alone accepts little on them)."""
+
+    def __init__(self, model: TinyModel, prompts: list[list[int]], max_new: int = 12) -> None:
+        self.expected = {tuple(p): p + model.hf_greedy(p, max_new) for p in prompts}
+        self.num_calls = 0
+
+    def propose(self, seq: Sequence, num_tokens: int) -> list[int]:
+        self.num_calls += 1
+        full = self.expected[tuple(seq.prompt_token_ids)]
+        proposal = full[len(seq.token_ids) : len(seq.token_ids) + num_tokens]
+        if proposal and self.num_calls % 3 == 0:
+            proposal[-1] = (proposal[-1] + 1) % VOCAB
+        return proposal
+
+
+@pytest.fixture(params=["off", "ngram", "oracle"])
+def spec(request: pytest.FixtureRequest) -> str:
+    """Each engine test runs without speculative decoding, with prompt lookup, and with an oracle proposer."""
+    return str(request.param)
+
+
+def spec_engine(model: TinyModel, spec: str, batch: list[list[int]], **overrides: Any) -> Any:
+    if spec != "off":
+        overrides["speculative"] = {"method": "ngram", "ngram_min": 1, "max_num_seqs": 64}
+    engine = model.engine(**overrides)
+    if spec == "oracle":
+        engine.speculator.proposer = OracleProposer(model, batch)
+    return engine
+
+
+def check_speculated(engine: Any, spec: str) -> None:
+    """Speculation really ran (and, with the oracle, accepted tokens) and left no block behind."""
+    stats = engine.stats()
+    if spec != "off":
+        assert stats["spec_proposed_tokens_total"] > 0
+    if spec == "oracle":
+        assert stats["spec_accepted_tokens_total"] > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_logits_match_transformers(family: TinyModel) -> None:
@@ -89,39 +134,43 @@ def test_chunk_that_samples_nothing(llama: TinyModel) -> None:
     assert engine.runner.run(scheduler.schedule()).shape == (0, VOCAB)
 
 
-def test_many_lengths_in_one_batch(family: TinyModel) -> None:
+def test_many_lengths_in_one_batch(family: TinyModel, spec: str) -> None:
     batch = prompts([1, 5, 16, 17, 40, 3, 64, 9])
-    engine = family.engine()
+    batch[4] = batch[4][:20] * 2  # a repeated prompt: prompt lookup has something to find
+    engine = spec_engine(family, spec, batch)
     outputs = engine.generate(batch, GREEDY)
     check_equal(family, batch, [o[0].token_ids for o in outputs])
+    check_speculated(engine, spec)
 
 
-def test_with_prefix_caching_hits(family: TinyModel) -> None:
+def test_with_prefix_caching_hits(family: TinyModel, spec: str) -> None:
     shared = prompts([40], seed=1)[0]
     batch = prompts([3, 20, 1], seed=2, prefix=shared)
-    engine = family.engine(max_num_seqs=1)  # one at a time, so later requests hit the cached prefix
+    engine = spec_engine(family, spec, batch, max_num_seqs=1)  # one at a time: later requests hit the prefix
     outputs = engine.generate(batch, GREEDY)
     assert engine.block_manager.num_hit_tokens >= 2 * 32
     check_equal(family, batch, [o[0].token_ids for o in outputs])
+    check_speculated(engine, spec)
 
 
-def test_with_chunked_prefill(llama: TinyModel) -> None:
+def test_with_chunked_prefill(llama: TinyModel, spec: str) -> None:
     batch = prompts([50, 7, 33])
-    engine = llama.engine(max_num_batched_tokens=16, max_num_seqs=4)
+    engine = spec_engine(llama, spec, batch, max_num_batched_tokens=16, max_num_seqs=4)
     outputs = engine.generate(batch, GREEDY)
     check_equal(llama, batch, [o[0].token_ids for o in outputs])
+    check_speculated(engine, spec)
 
 
-def test_with_forced_preemption(family: TinyModel) -> None:
+def test_with_forced_preemption(family: TinyModel, spec: str) -> None:
     batch = prompts([30, 45, 20, 38, 25, 11])
     # 8 blocks of 16 tokens: six sequences of 40-60 tokens cannot all stay resident.
     bytes_per_block = 16 * 2 * 2 * 2 * (32 if family.name == "qwen3" else 16) * 4
-    engine = family.engine(kv_cache_memory=8 * bytes_per_block, max_num_batched_tokens=32)
+    engine = spec_engine(family, spec, batch, kv_cache_memory=8 * bytes_per_block, max_num_batched_tokens=32)
     assert engine.capacity.num_blocks == 8
     outputs = engine.generate(batch, GREEDY)
     assert engine.scheduler.num_preemptions > 0
     check_equal(family, batch, [o[0].token_ids for o in outputs])
-    assert engine.block_manager.num_free_blocks == 8
+    check_speculated(engine, spec)
 
 
 def test_eos_stops_and_is_reported(llama: TinyModel) -> None:

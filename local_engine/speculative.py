@@ -1,0 +1,156 @@
+"""Speculative decoding: a cheap proposer guesses a sequence's next tokens, one target forward pass scores them all.
+
+Each step, before scheduling, `Speculator.propose` sets `seq.spec_token_ids` on the running sequences that
+decode. The scheduler gives such a sequence `1 + len(spec_token_ids)` query positions (an "extend", like a chunk
+of prefill: the general attention path), the model runner returns the logits of every one of them, and
+`Sampler.verify` accepts the proposed tokens while the token the target picks at that position (its argmax, or a
+sample of its processed distribution) equals the proposal, then appends the target's own token there, so every
+step yields at least one token and the output is exactly what decoding without speculation would produce (greedy)
+or is distributed exactly like it (sampling: for a deterministic proposal, rejection sampling reduces to
+accept-if-sampled). `Scheduler.postprocess` appends the accepted tokens and rolls the KV back over the rejected
+ones (the block manager frees the blocks past the last computed token; only full, computed blocks get a
+prefix-cache hash).
+
+Proposal lengths adapt per sequence (`Speculator.record`): a fully accepted proposal lengthens the next one by one
+(up to `num_tokens`), a partly accepted one shortens it to what was accepted plus one; after `MAX_MISSES`
+verifications in a row that accepted nothing the sequence stops proposing for `PAUSE_STEPS` steps, then tries a
+single token again. With more than `max_num_seqs` running sequences, no sequence proposes (the step decodes
+normally and keeps the fused CPU decode path).
+
+Requests that never speculate: those with presence, frequency or repetition penalties (the penalty at each
+proposed position would depend on the proposals before it), and those still short of `min_tokens`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from local_engine.config import SpeculativeConfig
+from local_engine.sequence import Sequence
+
+__all__ = ["MAX_MISSES", "PAUSE_STEPS", "NgramProposer", "Proposer", "Speculator", "build_speculator", "off_stats"]
+
+MAX_MISSES = 3  # verifications in a row that accept nothing before a sequence pauses proposing
+PAUSE_STEPS = 16  # steps a paused sequence decodes normally before it proposes again
+
+
+class Proposer(Protocol):
+    def propose(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Up to `num_tokens` guesses of the tokens that follow `seq.token_ids` (none: decode normally)."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup: the most recent earlier occurrence of the last `n` tokens (`n` from `max_n` down to
+    `min_n`) in the sequence's prompt and output; proposes the tokens that followed it."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def propose(self, seq: Sequence, num_tokens: int) -> list[int]:
+        tokens = seq.token_ids
+        length = len(tokens)
+        last = tokens[-1]
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = tokens[length - n :]
+            # Candidate ends: every earlier position holding the last token (scanned from the most recent).
+            end = length - 1
+            while True:
+                try:
+                    end = _rindex(tokens, last, end)
+                except ValueError:
+                    break
+                start = end - n + 1
+                if start >= 0 and tokens[start : end + 1] == suffix:
+                    return tokens[end + 1 : end + 1 + num_tokens]
+        return []
+
+
+def _rindex(tokens: list[int], value: int, stop: int) -> int:
+    """The last index < `stop` holding `value` (ValueError when none)."""
+    # list.index scans forward in C; searching a reversed copy would cost O(length) per call anyway.
+    for i in range(stop - 1, -1, -1):
+        if tokens[i] == value:
+            return i
+    raise ValueError(value)
+
+
+class Speculator:
+    """Chooses who proposes how many tokens each step, records verification results, and keeps the totals."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.num_proposed_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_verified_seqs = 0  # sequence-steps that verified a proposal
+
+    def propose(self, running: list[Sequence], max_model_len: int) -> None:
+        """Set this step's `spec_token_ids` on every running sequence (empty for those that decode normally)."""
+        is_batch_small = len(running) <= self.config.max_num_seqs
+        for seq in running:
+            seq.spec_token_ids = self._proposal(seq, max_model_len) if is_batch_small else []
+
+    def _proposal(self, seq: Sequence, max_model_len: int) -> list[int]:
+        if len(seq.token_ids) - seq.num_computed_tokens != 1:
+            return []  # still prefilling
+        params = seq.params
+        if params.has_penalties or seq.num_output_tokens < params.min_tokens:
+            return []
+        if seq.num_spec_paused_steps:
+            seq.num_spec_paused_steps -= 1
+            return []
+        if seq.num_spec_tokens < 0:
+            seq.num_spec_tokens = self.config.num_tokens
+        # The target's own token always follows the accepted ones: leave room for it.
+        room = min(seq.max_tokens - seq.num_output_tokens, max_model_len - len(seq.token_ids)) - 1
+        num_tokens = min(seq.num_spec_tokens, room)
+        if num_tokens <= 0:
+            return []
+        return self.proposer.propose(seq, num_tokens)
+
+    def record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
+        """Count one verification of `seq` and adapt its next proposal length."""
+        seq.num_spec_proposed += num_proposed
+        seq.num_spec_accepted += num_accepted
+        self.num_proposed_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        self.num_verified_seqs += 1
+        if num_accepted == num_proposed:
+            seq.num_spec_tokens = min(self.config.num_tokens, seq.num_spec_tokens + 1)
+        else:
+            seq.num_spec_tokens = num_accepted + 1
+        if num_accepted:
+            seq.num_spec_misses = 0
+            return
+        seq.num_spec_misses += 1
+        if seq.num_spec_misses >= MAX_MISSES:
+            seq.num_spec_paused_steps = PAUSE_STEPS
+            seq.num_spec_misses = MAX_MISSES - 1  # one more miss after the pause pauses again
+
+    def stats(self) -> dict[str, float | int | str]:
+        proposed = self.num_proposed_tokens
+        return {
+            "spec_method": self.config.method,
+            "spec_proposed_tokens_total": proposed,
+            "spec_accepted_tokens_total": self.num_accepted_tokens,
+            "spec_acceptance_rate": self.num_accepted_tokens / proposed if proposed else 0.0,
+            # tokens each verifying sequence gained per step: accepted proposals plus the target's own token
+            "spec_mean_tokens_per_step": (
+                (self.num_accepted_tokens + self.num_verified_seqs) / self.num_verified_seqs
+                if self.num_verified_seqs
+                else 0.0
+            ),
+        }
+
+
+def off_stats() -> dict[str, float | int | str]:
+    """`Speculator.stats()` of an engine that does not speculate."""
+    return Speculator(SpeculativeConfig(), NgramProposer(1, 1)).stats()
+
+
+def build_speculator(config: SpeculativeConfig) -> Speculator | None:
+    if config.method == "off":
+        return None
+    return Speculator(config, NgramProposer(config.ngram_min, config.ngram_max))
