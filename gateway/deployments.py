@@ -46,17 +46,20 @@ def build_backend(deployment: DeploymentConfig, settings: Settings) -> Backend:
 
 
 def local_config(deployment: DeploymentConfig, settings: Settings) -> LocalBackendConfig:
-    """A `type: local` deployment's config: its own model and output limits where it sets them, the engine
-    settings' otherwise."""
+    """A `type: local` deployment's config: its own model, output limits and speculative decoding where it sets
+    them, the engine settings' otherwise."""
     from backends.local import LocalBackendConfig
 
     engine = settings.engine
+    engine_config = engine.engine_config()
+    if deployment.speculative is not None:
+        engine_config = engine_config.model_copy(update={"speculative": deployment.speculative})
     return LocalBackendConfig(
         name=deployment.name,
         model_id=deployment.id or engine.model_id,
         cache_dir=settings.data_dir / "models",
         model_path=deployment.model_path or engine.model_path,
-        engine=engine.engine_config(),
+        engine=engine_config,
         load_wait_s=engine.load_wait_s,
         clamp_max_tokens=True if deployment.clamp_max_tokens is None else deployment.clamp_max_tokens,
         default_max_tokens=(

@@ -53,6 +53,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.settings import Settings
+from local_engine.config import SpeculativeConfig
 
 __all__ = [
     "DeploymentConfig",
@@ -128,6 +129,9 @@ class DeploymentConfig(BaseModel):
     context_length: int | None = Field(default=None, ge=1)
     clamp_max_tokens: bool | None = None
     default_max_tokens: int | None = Field(default=None, ge=0)
+    # `type: local`: speculative decoding for this deployment's engine (docs/local-engine.md#speculative-decoding),
+    # the same fields as UNIGATE_ENGINE__SPECULATIVE__*; None = those settings.
+    speculative: SpeculativeConfig | None = None
 
     @field_validator("api_key")
     @classmethod
@@ -152,6 +156,8 @@ class DeploymentConfig(BaseModel):
             )
         if self.type != "local" and self.default_max_tokens is not None:
             raise ValueError("`default_max_tokens` applies to `type: local` deployments only; remove it")
+        if self.type != "local" and self.speculative is not None:
+            raise ValueError("`speculative` applies to `type: local` deployments only; remove it")
         if self.type != "local" and self.clamp_max_tokens and self.context_length is None:
             raise ValueError(
                 "`clamp_max_tokens: true` needs the upstream model's `context_length` (e.g. context_length: 128000)"
