@@ -23,7 +23,7 @@ from bench.client import BenchClient
 from bench.loadgen import LevelSpec, run_level
 from bench.report import LiveProgress
 from bench.stats import SloTarget, find_saturation, level_figures, slo_result
-from bench.telemetry import GpuSampler, metrics_delta, scrape_metrics
+from bench.telemetry import GpuSampler, metrics_delta, scrape_metrics, speculative_acceptance
 from bench.workload import Workload
 
 __all__ = ["SCHEMA_VERSION", "BenchConfig", "BenchError", "run_bench"]
@@ -160,10 +160,12 @@ async def run_bench(config: BenchConfig, workload: Workload, slo: list[SloTarget
             figures = level_figures(run, slo)
             figures["telemetry"] = {"metrics": metrics_delta(before, after), "gpu": gpu_figures}
             levels.append(figures)
+    env = environment(server, config, probe_info, started_at)
+    env["speculative"] = speculative_acceptance(levels)  # the server's, when its /metrics exports it
     return {
         "schema_version": SCHEMA_VERSION,
         "config": config.to_dict(),
-        "environment": environment(server, config, probe_info, started_at),
+        "environment": env,
         "levels": levels,
         "slo_result": slo_result(levels, slo),
         "saturation": find_saturation(levels),

@@ -17,11 +17,30 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.client import server_root
 
-__all__ = ["NONE_EXPORTED", "NOT_AVAILABLE", "GpuSampler", "interesting_samples", "metrics_delta", "scrape_metrics"]
+__all__ = [
+    "NONE_EXPORTED",
+    "NOT_AVAILABLE",
+    "GpuSampler",
+    "interesting_samples",
+    "metrics_delta",
+    "scrape_metrics",
+    "speculative_acceptance",
+]
 
 NOT_AVAILABLE = "not available"
 NONE_EXPORTED = "none exported: the target's /metrics has no KV-cache, queue, preemption or running-request series"
-_INTERESTING = ("kv", "cache_usage", "preempt", "queue", "waiting", "running", "swapped", "num_requests", "prefix")
+_INTERESTING = (
+    "kv",
+    "cache_usage",
+    "preempt",
+    "queue",
+    "waiting",
+    "running",
+    "swapped",
+    "num_requests",
+    "prefix",
+    "spec",
+)
 
 
 def interesting_samples(text: str) -> dict[str, float]:
@@ -56,6 +75,28 @@ def metrics_delta(before: dict[str, float] | None, after: dict[str, float] | Non
         name: {"before": before.get(name), "after": value, "delta": value - before.get(name, 0.0)}
         for name, value in sorted(after.items())
     }
+
+
+def speculative_acceptance(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The server's speculative-decoding acceptance over the run, from each level's /metrics deltas: proposed
+    (unigate's `*_spec_proposed_tokens_total`, vLLM's `*spec_decode_num_draft_tokens*`) and accepted tokens summed
+    over the levels, and their ratio. None when the server exports no such counter or nothing was proposed."""
+    proposed = accepted = 0.0
+    for level in levels:
+        metrics = level.get("telemetry", {}).get("metrics")
+        if not isinstance(metrics, dict):
+            continue
+        for name, values in metrics.items():
+            lowered = name.lower()
+            if "spec" not in lowered or lowered.endswith("_created"):
+                continue
+            if "proposed" in lowered or "draft_tokens" in lowered:
+                proposed += values["delta"]
+            elif "accepted" in lowered:
+                accepted += values["delta"]
+    if proposed <= 0:
+        return None
+    return {"proposed": int(proposed), "accepted": int(accepted), "acceptance_rate": accepted / proposed}
 
 
 class GpuSampler:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -87,3 +88,29 @@ def test_saturation_is_where_throughput_stops_growing() -> None:
 def test_a_plateau_followed_by_growth_is_not_saturation() -> None:
     levels = [_level(1, 1, 20), _level(8, 1, 75), _level(16, 1, 77), _level(32, 1, 122), _level(64, 1, 125)]
     assert find_saturation(levels) == {"concurrency": 32, "output_throughput": 122}
+
+
+def test_speculative_acceptance_sums_the_servers_counters_over_levels() -> None:
+    from bench.telemetry import interesting_samples, metrics_delta, speculative_acceptance
+
+    def page(proposed: int, accepted: int) -> str:
+        return (
+            "# TYPE unigate_engine_spec_proposed_tokens counter\n"
+            f'unigate_engine_spec_proposed_tokens_total{{model="local"}} {proposed}\n'
+            "# TYPE unigate_engine_spec_accepted_tokens counter\n"
+            f'unigate_engine_spec_accepted_tokens_total{{model="local"}} {accepted}\n'
+        )
+
+    pages = [page(0, 0), page(40, 22), page(100, 61)]
+    levels = [
+        {"telemetry": {"metrics": metrics_delta(interesting_samples(a), interesting_samples(b))}}
+        for a, b in itertools.pairwise(pages)
+    ]
+    assert speculative_acceptance(levels) == {"proposed": 100, "accepted": 61, "acceptance_rate": 0.61}
+    vllm = "vllm:spec_decode_num_draft_tokens_total 30\nvllm:spec_decode_num_accepted_tokens_total 12\n"
+    level = {"telemetry": {"metrics": metrics_delta({}, interesting_samples(vllm))}}
+    assert speculative_acceptance([level]) == {"proposed": 30, "accepted": 12, "acceptance_rate": 0.4}
+    assert speculative_acceptance([{"telemetry": {"metrics": "not available"}}]) is None
+    assert (
+        speculative_acceptance([{"telemetry": {"metrics": metrics_delta({}, interesting_samples(page(0, 0)))}}]) is None
+    )
