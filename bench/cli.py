@@ -1,4 +1,5 @@
-"""The `bench` (with `bench compare`), `doctor` and `kv-plan` commands, added to the main app by `register`."""
+"""The `bench` (with `bench compare` and `bench report`), `doctor` and `kv-plan` commands, added to the main app by
+`register`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from rich.markup import escape
 __all__ = ["register"]
 
 _STATUS_STYLE = {"ok": "[green]✓[/]", "warn": "[yellow]![/]", "fail": "[bold red]✗[/]"}
+_CONCLUSION_STYLE = {"good": "[bold green]{}[/]", "bad": "[bold red]{}[/]"}
 
 
 def _console() -> Console:
@@ -66,6 +68,9 @@ def bench(
     out: Annotated[Path | None, typer.Option(help="Write the run as JSON (the baseline archive).")] = None,
     csv: Annotated[Path | None, typer.Option(help="Write one CSV row per level.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG: throughput and p95 latency vs load.")] = None,
+    html: Annotated[
+        Path | None, typer.Option(help="Write a self-contained HTML report: charts, tables, environment.")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed for lengths, prompts and arrivals.")] = 0,
     timeout: Annotated[float, typer.Option(help="Per-request timeout, seconds.")] = 600.0,
     max_in_flight: Annotated[int, typer.Option(help="Open loop: most requests in flight before arrivals drop.")] = 1024,
@@ -126,39 +131,35 @@ def bench(
         write_csv(csv, run["levels"])
     if plot is not None:
         write_plot(plot, run["levels"], title=f"{model} at {base_url}")
+    if html is not None:
+        from bench.report_html import render_run, write_html
+
+        write_html(html, render_run(run))
 
 
 def _print_conclusions(console: Console, run: dict) -> None:  # type: ignore[type-arg]
-    result, saturation = run["slo_result"], run["saturation"]
-    key = "rate" if run["config"]["mode"] == "rate" else "concurrency"
-    if result["slo"]:
-        best = result[f"max_{key}_meeting_slo"]
-        slo_text = ", ".join(f"{name}≤{ms:g}ms" for name, ms in result["slo"].items())
-        if best is None:
-            console.print(f"[bold red]No level meets the SLO[/] ({slo_text}).")
+    from bench.report import conclusions
+
+    for found in conclusions(run):
+        text = escape(found.text)
+        if found.kind == "warning":
+            console.print(f"[yellow]warning:[/] {text}")
+        elif found.kind == "detail":
+            console.print(f"  {text}")
         else:
-            console.print(f"[bold green]Highest {key} meeting the SLO ({slo_text}): {best:g}[/]")
-        for miss in result["breached"]:
-            value = "no successful request" if miss["value_ms"] is None else f"{miss['value_ms']:.1f} ms"
-            console.print(
-                f"  at {key} {result['first_failing']:g}: {miss['metric']} = {value} > {miss['threshold_ms']:g} ms"
-            )
-    if saturation is not None:
-        console.print(
-            f"Throughput stops growing after {key} {saturation[key]:g} "
-            f"({saturation['output_throughput']:.1f} output tokens/s)."
-        )
-    for warning in run["warnings"]:
-        console.print(f"[yellow]warning:[/] {escape(warning)}")
+            console.print(_CONCLUSION_STYLE.get(found.kind, "{}").format(text))
 
 
 def compare(
     baseline: Annotated[Path, typer.Argument(help="The baseline run (A).")],
     candidate: Annotated[Path, typer.Argument(help="The new run (B).")],
     threshold: Annotated[float, typer.Option(help="Percent worse that counts as a regression.")] = 5.0,
+    html: Annotated[
+        Path | None, typer.Option(help="Also write a self-contained HTML report: both runs on the same axes.")
+    ] = None,
 ) -> None:
     """Compare two `bench --out` files level by level; exit code 1 on a regression."""
-    from bench.compare import changes_table, compare_runs, load_run, verdict_lines
+    from bench.compare import changes_table, compare_runs, load_run, num_levels_only_in_one, verdict_lines
 
     console = _console()
     try:
@@ -166,14 +167,37 @@ def compare(
         changes = compare_runs(a, b, threshold)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    key = "concurrency" if a["levels"] and "concurrency" in a["levels"][0] else "rate"
-    levels_a, levels_b = {lv[key] for lv in a["levels"]}, {lv.get(key) for lv in b["levels"]}
     console.print(changes_table(changes, f"A = {baseline.name}   B = {candidate.name}   threshold {threshold:g}%"))
-    lines = verdict_lines(changes, len(levels_a ^ levels_b))
+    lines = verdict_lines(changes, num_levels_only_in_one(a, b))
     for line in lines:
-        console.print(f"[bold red]{line}[/]" if line.endswith("REGRESSION") else line)
+        console.print(f"[bold red]{escape(line)}[/]" if line.endswith("REGRESSION") else escape(line))
+    if html is not None:
+        from bench.report_html import render_compare, write_html
+
+        try:
+            page = render_compare(a, b, (baseline.name, candidate.name), threshold)
+        except (ValueError, LookupError, TypeError, AttributeError) as exc:
+            raise typer.BadParameter(f"cannot render the HTML report: {exc!r}") from None
+        write_html(html, page)
     if any(change.is_regression for change in changes):
         raise typer.Exit(1)
+
+
+def report(
+    result: Annotated[Path, typer.Argument(help="A `bench --out` file.")],
+    html: Annotated[Path, typer.Option(help="Where to write the self-contained HTML report.")],
+) -> None:
+    """Render an existing run as an HTML report (the same page as `bench --html`)."""
+    from bench.compare import load_run
+    from bench.report_html import render_run, write_html
+
+    try:
+        run = load_run(result)
+        page = render_run(run)
+    except (ValueError, LookupError, TypeError, AttributeError) as exc:
+        raise typer.BadParameter(f"{result} is not a complete `unigate bench --out` file: {exc!r}") from None
+    write_html(html, page)
+    _console().print(f"wrote {escape(str(html))} ({len(page.encode()) / 1024:.0f} KiB)")
 
 
 def doctor(
@@ -255,10 +279,11 @@ def kv_plan(
 
 
 def register(app: typer.Typer) -> None:
-    """Add `bench` (with `bench compare`), `doctor` and `kv-plan` to the `unigate` app."""
+    """Add `bench` (with `bench compare` and `bench report`), `doctor` and `kv-plan` to the `unigate` app."""
     bench_app = typer.Typer(invoke_without_command=True, help="Measure any OpenAI-compatible endpoint.")
     bench_app.callback()(bench)
     bench_app.command("compare")(compare)
+    bench_app.command("report")(report)
     app.add_typer(bench_app, name="bench")
     app.command("doctor")(doctor)
     app.command("kv-plan")(kv_plan)

@@ -14,7 +14,17 @@ from typing import Any
 import orjson
 from rich.table import Table
 
-__all__ = ["COMPARED", "Change", "changes_table", "compare_runs", "load_run", "verdict_lines"]
+__all__ = [
+    "COMPARED",
+    "Change",
+    "changes_table",
+    "compare_runs",
+    "format_change",
+    "level_key",
+    "load_run",
+    "num_levels_only_in_one",
+    "verdict_lines",
+]
 
 # (figure path, label, is higher better)
 COMPARED: tuple[tuple[tuple[str, ...], str, bool], ...] = (
@@ -66,13 +76,19 @@ def _error_rate_pct(level: dict[str, Any]) -> float:
     return 100.0 * num_errors / level["requests"] if level.get("requests") else 0.0
 
 
-def _level_key(run: dict[str, Any]) -> str:
+def level_key(run: dict[str, Any]) -> str:
+    """`concurrency` (closed loop) or `rate` (open loop): the field that names each level."""
     return "concurrency" if run["levels"] and "concurrency" in run["levels"][0] else "rate"
 
 
+def num_levels_only_in_one(baseline: dict[str, Any], candidate: dict[str, Any]) -> int:
+    key = level_key(baseline)
+    return len({lv[key] for lv in baseline["levels"]} ^ {lv.get(key) for lv in candidate["levels"]})
+
+
 def compare_runs(baseline: dict[str, Any], candidate: dict[str, Any], threshold_pct: float = 5.0) -> list[Change]:
-    key = _level_key(baseline)
-    if baseline["levels"] and candidate["levels"] and _level_key(candidate) != key:
+    key = level_key(baseline)
+    if baseline["levels"] and candidate["levels"] and level_key(candidate) != key:
         raise ValueError("one run sweeps concurrency and the other a request rate: compare runs of the same mode")
     after_by_level = {level[key]: level for level in candidate["levels"]}
     changes: list[Change] = []
@@ -106,15 +122,21 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def format_change(change: Change) -> str:
+    """`+10.3%`, or `+2.0 pt` for the error rate; `-` when there is nothing to compare."""
+    unit = " pt" if change.label == "error rate %" else "%"
+    return "-" if change.change_pct is None else f"{change.change_pct:+.1f}{unit}"
+
+
 def changes_table(changes: list[Change], title: str) -> Table:
     table = Table(title=title, header_style="bold")
     for column in ("level", "figure", "A", "B", "change", "verdict"):
         table.add_column(column, justify="right" if column not in ("figure", "verdict") else "left")
     for change in changes:
-        unit = " pt" if change.label == "error rate %" else "%"
-        delta = "-" if change.change_pct is None else f"{change.change_pct:+.1f}{unit}"
         verdict = "[bold red]REGRESSION[/]" if change.is_regression else "ok"
-        table.add_row(change.where, change.label, _fmt(change.before), _fmt(change.after), delta, verdict)
+        table.add_row(
+            change.where, change.label, _fmt(change.before), _fmt(change.after), format_change(change), verdict
+        )
     return table
 
 
@@ -123,8 +145,7 @@ def verdict_lines(changes: list[Change], num_levels_only_in_one: int = 0) -> lis
     lines = []
     for change in changes:
         if change.is_regression:
-            unit = " pt" if change.label == "error rate %" else "%"
-            delta = "" if change.change_pct is None else f" {change.change_pct:+.1f}{unit}"
+            delta = "" if change.change_pct is None else f" {format_change(change)}"
             lines.append(f"{change.label}{delta} at {change.where}: REGRESSION")
     if not lines:
         lines.append("no regression beyond the threshold")

@@ -1,9 +1,11 @@
-"""Showing and saving results: rich live progress, the final table, JSON (the baseline archive), CSV and PNG."""
+"""Showing and saving results: rich live progress, the final table, the conclusions, JSON (the baseline archive),
+CSV and PNG. The HTML report is `bench.report_html`."""
 
 from __future__ import annotations
 
 import csv
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ from rich.text import Text
 from bench.client import RequestResult
 from bench.stats import METRICS, STATS, percentile
 
-__all__ = ["LiveProgress", "levels_table", "write_csv", "write_json", "write_plot"]
+__all__ = ["Conclusion", "LiveProgress", "conclusions", "levels_table", "write_csv", "write_json", "write_plot"]
 
 
 class LiveProgress:
@@ -87,6 +89,45 @@ def levels_table(levels: list[dict[str, Any]], title: str = "unigate bench") -> 
             row.append(f"{_fmt(figures['p50'])} / {_fmt(figures['p95'])}")
         table.add_row(*row)
     return table
+
+
+@dataclass(frozen=True, slots=True)
+class Conclusion:
+    kind: str  # good | bad | detail | info | warning
+    text: str
+
+
+def conclusions(run: dict[str, Any]) -> list[Conclusion]:
+    """What the run found, in words: the highest level meeting the SLO (or none), what the first failing level
+    missed, the saturation point and the run's warnings. Shared by the terminal and the HTML report."""
+    found: list[Conclusion] = []
+    result, saturation = run["slo_result"], run["saturation"]
+    key = "rate" if run["config"]["mode"] == "rate" else "concurrency"
+    if result["slo"]:
+        best = result[f"max_{key}_meeting_slo"]
+        slo_text = ", ".join(f"{name}≤{ms:g}ms" for name, ms in result["slo"].items())
+        if best is None:
+            found.append(Conclusion("bad", f"No level meets the SLO ({slo_text})."))
+        else:
+            found.append(Conclusion("good", f"Highest {key} meeting the SLO ({slo_text}): {best:g}"))
+        for miss in result["breached"]:
+            value = "no successful request" if miss["value_ms"] is None else f"{miss['value_ms']:.1f} ms"
+            found.append(
+                Conclusion(
+                    "detail",
+                    f"at {key} {result['first_failing']:g}: {miss['metric']} = {value} > {miss['threshold_ms']:g} ms",
+                )
+            )
+    if saturation is not None:
+        found.append(
+            Conclusion(
+                "info",
+                f"Throughput stops growing after {key} {saturation[key]:g} "
+                f"({saturation['output_throughput']:.1f} output tokens/s).",
+            )
+        )
+    found.extend(Conclusion("warning", warning) for warning in run["warnings"])
+    return found
 
 
 def write_json(path: Path, run: dict[str, Any]) -> None:
