@@ -21,6 +21,8 @@ wake-up list) build it from a `*_prefix` below, which carries the same tag.
     ug:{up:<deployment>}:wake:<id>   list    a waiter's wake-up list (BLPOP)
     ug:{health:<n>}                  string  /health/ready's write probe (expires after a minute); in a cluster
                                              one per primary, n chosen so that its slot lives there
+    ug:session:<sha256 of id>        string  a console session: JSON {csrf, fingerprint, created} (expires with it)
+    ug:login:<client ip>             string  console login attempts in the current minute (expires after it)
     ug:events                        pubsub  key-record changes: "<key id>" → drop cached copies (PUBLISH reaches
                                              every node of a cluster, so any node may be subscribed to)
 
@@ -48,6 +50,8 @@ __all__ = [
     "key_usage_day",
     "key_usage_days",
     "key_usage_total",
+    "login_attempts",
+    "session",
     "upstream_leases",
     "upstream_max",
     "upstream_prefix",
@@ -108,6 +112,14 @@ def key_usage_days(key_id: str) -> str:
 
 def key_usage_total(key_id: str) -> str:
     return key_prefix(key_id) + "usage_total"
+
+
+def session(session_hash: str) -> str:
+    return f"{PREFIX}session:{session_hash}"
+
+
+def login_attempts(client: str) -> str:
+    return f"{PREFIX}login:{client}"
 
 
 def upstream_prefix(deployment: str) -> str:

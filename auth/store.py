@@ -329,8 +329,10 @@ class KeyStore:
         return rotated, secret
 
     async def usage(self, key_id: str, *, num_days: int | None = None) -> list[UsageRow]:
-        """Requests and tokens per model per UTC day, oldest first (the last `num_days` days when given)."""
-        await self.get(key_id)
+        """Requests and tokens per model per UTC day, oldest first (the last `num_days` days when given); `key_id`
+        may also be `redis_names.MASTER_ID` (the master key's own usage)."""
+        if key_id != redis_names.MASTER_ID:
+            await self.get(key_id)
         low: float | str = "-inf"
         if num_days is not None:
             low = (await self.now_ms()) // 86_400_000 - num_days + 1

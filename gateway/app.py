@@ -28,6 +28,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware import build_middleware, http_exception_handler
 from gateway.router import Router
 from gateway.routes import anthropic, health_routes, openai_routes, responses
+from gateway.routes.ui import console_routes
 from gateway.routing_config import RoutingConfig, default_routing, load_routing
 from gateway.settings import Settings
 
@@ -101,11 +102,12 @@ def create_app(
                 await hook()
 
     metrics = GatewayMetrics(model_ids=[model.id for model in routing.models])
+    console = console_routes() if settings.console.enabled else []  # logs in only where the admin API is served
     engine_collector = EngineStatsCollector()
     metrics.registry.register(engine_collector)
     metrics.registry.register(AccessStatsCollector(access))
     app = Starlette(
-        routes=[*openai_routes(), *anthropic.routes(), *responses.routes(), *health_routes(), *extra_routes],
+        routes=[*openai_routes(), *anthropic.routes(), *responses.routes(), *health_routes(), *extra_routes, *console],
         middleware=build_middleware(settings, metrics),
         exception_handlers={HTTPException: http_exception_handler},
         lifespan=lifespan,

@@ -17,7 +17,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from local_engine.config import EngineConfig
 
-__all__ = ["EngineSettings", "InvalidSettingsError", "LimitSettings", "Settings", "load_settings"]
+__all__ = ["ConsoleSettings", "EngineSettings", "InvalidSettingsError", "LimitSettings", "Settings", "load_settings"]
 
 
 class EngineSettings(EngineConfig):
@@ -47,6 +47,14 @@ class LimitSettings(BaseModel):
     lease_ttl_s: float = 600.0  # concurrency/upstream leases expire after this, so a crashed instance leaks nothing
     redis_timeout_s: float = 1.0  # socket/connect timeout per Redis call: a dead Redis fails fast, never hangs
     pool_timeout_s: float = 10.0  # how long a request waits for an upstream slot (max_in_flight) before 503
+
+
+class ConsoleSettings(BaseModel):
+    """The operator console at /ui (docs/console.md)."""
+
+    enabled: bool = True
+    session_ttl_s: int = Field(default=8 * 3600, ge=60)  # a console session ends this long after login
+    max_logins_per_min: int = Field(default=10, ge=1)  # login attempts per client address per minute
 
 
 class Settings(BaseSettings):
@@ -95,6 +103,7 @@ class Settings(BaseSettings):
 
     engine: EngineSettings = Field(default_factory=EngineSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
+    console: ConsoleSettings = Field(default_factory=ConsoleSettings)
 
     # Not a setting: `unigate serve --workers N` hands it to its workers (gateway.server): the local deployments
     # served by this host's engine process, by name, and the Unix socket each one listens on.

@@ -23,13 +23,14 @@ LINKED_PAGES = [*PAGES, ROOT / "benchmarks" / "RESULTS.md"]
 MAX_README_LINES = 300
 
 # `UNIGATE_*` names the docs mention that are not settings: the keys CLI's and `unigate bench`'s defaults, the
-# engine server's key, docker-compose's published port, and the test suite's Redis topology switch.
+# engine server's key, docker-compose's published port, the test suite's Redis topology switch and screenshot folder.
 NOT_SETTINGS = {
     "UNIGATE_BASE_URL",
     "UNIGATE_API_KEY",
     "UNIGATE_ENGINE_API_KEY",
     "UNIGATE_PUBLISH_PORT",
     "UNIGATE_TEST_REDIS_TOPOLOGY",
+    "UNIGATE_SCREENSHOT_DIR",  # where the console's browser test writes its screenshots
 }
 
 _FENCE = re.compile(r"^(`{3,}|~{3,}).*?^\1[ \t]*$", re.MULTILINE | re.DOTALL)

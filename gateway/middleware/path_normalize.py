@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 __all__ = ["PathNormalizeMiddleware", "normalize_path"]
 
 # Paths that live outside /v1 and are never rewritten.
-_ROOTS = ("/health", "/metrics", "/admin", "/docs", "/favicon.ico")
+_ROOTS = ("/health", "/metrics", "/admin", "/docs", "/favicon.ico", "/ui")
 
 
 def normalize_path(path: str) -> str:

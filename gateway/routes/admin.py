@@ -1,4 +1,5 @@
-"""Admin API: manage keys and read usage. Master key only (a normal key gets 403 `admin_only`).
+"""Admin API: manage keys and read usage and the routing table. Master key only (a normal key gets 403
+`admin_only`), or the operator console's session cookie (`gateway.routes.ui`).
 
 The app provides `app.state.key_store` (a `KeyStore`), `app.state.settings`, and optionally
 `app.state.master_key` (the resolved master key; otherwise it is read from settings or the data directory).
@@ -7,19 +8,26 @@ The app provides `app.state.key_store` (a `KeyStore`), `app.state.settings`, and
 from __future__ import annotations
 
 import hmac
+import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from auth.admin import KeyCreateBody, KeyUpdateBody, parse_body, record_json, totals_json, usage_json
+from auth import redis_names
+from auth.admin import KeyCreateBody, KeyUpdateBody, parse_body, record_json, rfc3339, totals_json, usage_json
 from auth.base import extract_credential
 from auth.master_key import read_master_key
 from auth.store import KeyStore
 from gateway.engine_metrics import local_engine_stats
 from gateway.errors import AuthError, InvalidRequestError, PermissionDeniedError
+from gateway.health_probe import HealthProber
+from gateway.metrics import GatewayMetrics
+from gateway.router import Router
+from gateway.routes.ui import has_session_cookie, require_session
 from gateway.settings import Settings
 
 __all__ = ["admin_routes"]
@@ -33,7 +41,12 @@ def _json(data: dict[str, Any], status_code: int = 200) -> Response:
 
 
 async def _admin_store(request: Request) -> KeyStore:
-    """The key store, once the caller has proven to hold the master key."""
+    """The key store, once the caller has proven to hold the master key: as a bearer / x-api-key, or through a
+    console session cookie (plus its CSRF token for a state-changing call) when no key header is sent."""
+    if "authorization" not in request.headers and "x-api-key" not in request.headers and has_session_cookie(request):
+        await require_session(request, is_state_changing=request.method not in ("GET", "HEAD"))
+        session_store: KeyStore = request.app.state.key_store
+        return session_store
     credential = extract_credential(request.headers)
     master_key = getattr(request.app.state, "master_key", None) or _read_master_key(request.app.state.settings)
     if master_key is not None and hmac.compare_digest(credential.encode(), master_key.encode()):
@@ -136,6 +149,94 @@ async def engine_stats(request: Request) -> Response:
     return _json({"object": "list", "data": local_engine_stats(request.app.state.router)})
 
 
+async def usage_rows(request: Request) -> Response:
+    """`GET /admin/usage/rows?days=N` (default 30): usage per UTC day, key (the master key as `master`) and model
+    over the last N days, the rows the console's Usage page groups and exports as CSV."""
+    store = await _admin_store(request)
+    num_days = _int_param(request, "days", 30, low=1, high=400)
+    names = {redis_names.MASTER_ID: "master key"}
+    after: str | None = None
+    while True:
+        page = await store.list_keys(limit=_MAX_PAGE_SIZE, after=after)
+        names.update((record.id, record.name) for record in page.records)
+        if not page.has_more or not page.records:
+            break
+        after = page.records[-1].id
+    data = []
+    for key_id, name in names.items():
+        for row in usage_json(key_id, await store.usage(key_id, num_days=num_days))["data"]:
+            data.append({"key_id": key_id, "key_name": name, **row})
+    data.sort(key=lambda row: (row["date"], row["key_id"], row["model"]))
+    return _json({"object": "list", "days": num_days, "data": data})
+
+
+async def models(request: Request) -> Response:
+    """`GET /admin/models`: the routing table as this instance sees it — ids, aliases, fallbacks, and per deployment
+    its upstream host (never its key), state, cooldown, in-flight requests, and its attempts, errors and summed
+    latency since start (a reader takes differences between two reads for recent figures)."""
+    await _admin_store(request)
+    router: Router = request.app.state.router
+    prober: HealthProber = request.app.state.health_prober
+    states = prober.states()
+    attempts = _upstream_counters(request.app.state.metrics)
+    now_wall, now_mono = time.time(), time.monotonic()
+    data = []
+    for route in router.routes:
+        deployments = []
+        for deployment in route.deployments:
+            config = deployment.config
+            remaining = max(0.0, deployment.cooldown_until - now_mono)
+            counts = attempts.get(config.name, {})
+            deployments.append(
+                {
+                    "name": config.name,
+                    "type": config.type,
+                    "host": _host_of(config.base_url),
+                    "upstream_model": config.model,
+                    "weight": config.weight,
+                    "state": states.get(config.name, "up"),
+                    "cooldown_until": rfc3339(int((now_wall + remaining) * 1000)) if remaining > 0 else None,
+                    "cooldown_remaining_s": round(remaining, 3),
+                    "num_in_flight": deployment.num_in_flight,
+                    "max_in_flight": config.max_in_flight,
+                    "num_attempts": int(counts.get("ok_count", 0) + counts.get("error_count", 0)),
+                    "num_errors": int(counts.get("error_count", 0)),
+                    "latency_sum_s": counts.get("ok_sum", 0.0) + counts.get("error_sum", 0.0),
+                }
+            )
+        data.append(
+            {
+                "id": route.id,
+                "aliases": list(route.config.aliases),
+                "fallbacks": list(router.fallbacks.get(route.id, [])),
+                "deployments": deployments,
+            }
+        )
+    return _json({"object": "list", "data": data})
+
+
+def _host_of(base_url: str | None) -> str | None:
+    """`host[:port]` of an upstream URL: no scheme, path, query or credentials."""
+    if not base_url:
+        return None
+    parts = urlsplit(base_url)
+    if parts.hostname is None:
+        return None
+    return f"{parts.hostname}:{parts.port}" if parts.port else parts.hostname
+
+
+def _upstream_counters(metrics: GatewayMetrics) -> dict[str, dict[str, float]]:
+    """deployment → {"ok_count", "ok_sum", "error_count", "error_sum"} from the upstream latency histogram."""
+    counters: dict[str, dict[str, float]] = {}
+    for family in metrics.upstream_latency.collect():
+        for sample in family.samples:
+            kind = sample.name.rsplit("_", 1)[-1]
+            if kind in ("count", "sum"):
+                deployment, outcome = sample.labels["deployment"], sample.labels["outcome"]
+                counters.setdefault(deployment, {})[f"{outcome}_{kind}"] = sample.value
+    return counters
+
+
 def admin_routes() -> list[Route]:
     return [
         Route("/admin/keys", create_key, methods=["POST"]),
@@ -146,6 +247,8 @@ def admin_routes() -> list[Route]:
         Route("/admin/keys/{key_id}/rotate", rotate_key, methods=["POST"]),
         Route("/admin/keys/{key_id}/usage", key_usage, methods=["GET"]),
         Route("/admin/usage", total_usage, methods=["GET"]),
+        Route("/admin/usage/rows", usage_rows, methods=["GET"]),
+        Route("/admin/models", models, methods=["GET"]),
         Route("/admin/engine", engine_stats, methods=["GET"]),
     ]
 

@@ -1,0 +1,259 @@
+"""The operator console: its static files under `/ui` and its session endpoints under `/ui/api/`.
+
+The console is a static single-page app (`gateway/ui/`, plus the shared `bench/static/charts.js`) that calls the
+same `/admin/...` JSON API as the CLI. The browser never holds the master key after login: `POST /ui/api/login`
+checks it once and sets the `unigate_session` cookie (HttpOnly, SameSite=Strict, Secure over https), whose
+record lives in Redis (`auth.sessions`). Every state-changing call with that cookie must carry the session's
+CSRF token in `x-csrf-token` and, when the browser sends one, an `Origin` of this host (`require_session`, which
+the admin routes call). Every `/ui` response, errors included, carries a strict Content-Security-Policy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import importlib.resources
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from auth.master_key import read_master_key
+from auth.sessions import Session, SessionStore
+from gateway.errors import (
+    AuthError,
+    GatewayError,
+    InvalidRequestError,
+    LimitError,
+    NotFoundError,
+    PermissionDeniedError,
+)
+from gateway.settings import Settings
+
+__all__ = ["SECURITY_HEADERS", "SESSION_COOKIE", "console_routes", "has_session_cookie", "require_session"]
+
+SESSION_COOKIE = "unigate_session"
+CSRF_HEADER = "x-csrf-token"
+SECURITY_HEADERS = {
+    "content-security-policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+        "frame-ancestors 'none'; base-uri 'none'; form-action 'self'"
+    ),
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    "x-frame-options": "DENY",
+}
+_MEDIA_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+}
+_STATIC_NAME = re.compile(r"^[a-z0-9_-]{1,64}\.(js|css|svg)$")
+_SHARED_FILES = {"charts.js": ("bench", "static/charts.js")}  # served from another package (dependency arrow ok)
+_MAX_LOGIN_BODY = 4096
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _read_file(package: str, name: str) -> bytes | None:
+    try:
+        return importlib.resources.files(package).joinpath(name).read_bytes()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+
+
+def _static_file(name: str) -> bytes | None:
+    package, path = _SHARED_FILES.get(name, ("gateway", f"ui/{name}"))
+    return _read_file(package, path)
+
+
+def _secured(handler: Handler) -> Handler:
+    """Add the security headers to the handler's response, and to the error it raises (rendered further out)."""
+
+    async def wrapped(request: Request) -> Response:
+        try:
+            response = await handler(request)
+        except GatewayError as error:
+            error.headers.update(SECURITY_HEADERS)
+            error.headers.setdefault("cache-control", "no-store")
+            raise
+        response.headers.update(SECURITY_HEADERS)
+        return response
+
+    return wrapped
+
+
+def _file_response(request: Request, name: str) -> Response:
+    content = _static_file(name)
+    if content is None:
+        raise NotFoundError(f"The console has no file {name!r}.", code="not_found")
+    etag = '"' + hashlib.sha256(content).hexdigest()[:32] + '"'
+    headers = {"etag": etag, "cache-control": "no-cache"}  # revalidate: a new release shows at once
+    if request.headers.get("if-none-match") == etag:
+        return Response(status_code=304, headers=headers)
+    suffix = name[name.rfind(".") :]
+    return Response(content, headers=headers, media_type=_MEDIA_TYPES[suffix])
+
+
+async def index(request: Request) -> Response:
+    return _file_response(request, "index.html")
+
+
+async def static(request: Request) -> Response:
+    name = request.path_params["name"]
+    if not _STATIC_NAME.match(name):
+        raise NotFoundError(f"The console has no file {name!r}.", code="not_found")
+    return _file_response(request, name)
+
+
+def _json(data: dict[str, Any], status_code: int = 200) -> Response:
+    return Response(
+        orjson.dumps(data),
+        status_code=status_code,
+        media_type="application/json",
+        headers={"cache-control": "no-store"},
+    )
+
+
+def _sessions(request: Request) -> SessionStore:
+    """The app's session store (over the key store's Redis); 404 when this app serves no admin API."""
+    state = request.app.state
+    store: SessionStore | None = getattr(state, "console_sessions", None)
+    if store is None:
+        key_store = getattr(state, "key_store", None)
+        if key_store is None:
+            raise NotFoundError(
+                "This gateway serves no admin API, so the console cannot log in (start it with `unigate serve`).",
+                code="not_found",
+            )
+        settings: Settings = state.settings
+        store = state.console_sessions = SessionStore(key_store.redis, ttl_s=settings.console.session_ttl_s)
+    return store
+
+
+def _master_key(request: Request) -> str | None:
+    master_key: str | None = getattr(request.app.state, "master_key", None)
+    if master_key is not None:
+        return master_key
+    settings: Settings = request.app.state.settings
+    configured = settings.master_key.get_secret_value() if settings.master_key is not None else None
+    return read_master_key(configured, settings.data_dir)
+
+
+def _check_origin(request: Request) -> None:
+    """A browser's `Origin`, when sent, must name this host (`Host`, or `X-Forwarded-Host` behind a proxy)."""
+    origin = request.headers.get("origin")
+    if origin is None:
+        return
+    hosts = {request.headers.get("host", ""), request.headers.get("x-forwarded-host", "")} - {""}
+    if urlsplit(origin).netloc not in hosts:
+        raise PermissionDeniedError(
+            "Cross-origin request refused: the console only accepts calls from its own pages.", code="csrf_failed"
+        )
+
+
+def has_session_cookie(request: Request) -> bool:
+    return SESSION_COOKIE in request.cookies
+
+
+async def require_session(request: Request, *, is_state_changing: bool) -> Session:
+    """The console session of this request's cookie: 401 `session_expired` when it has ended (logout, expiry, a
+    new master key); for a state-changing call also the CSRF token and Origin, else 403 `csrf_failed`."""
+    master_key = _master_key(request)
+    session_id = request.cookies.get(SESSION_COOKIE, "")
+    session = await _sessions(request).get(session_id, master_key) if master_key else None
+    if session is None:
+        raise AuthError("Your console session has ended; log in again with the master key.", code="session_expired")
+    if is_state_changing:
+        _check_origin(request)
+        token = request.headers.get(CSRF_HEADER, "")
+        if not hmac.compare_digest(token.encode(), session.csrf_token.encode()):
+            raise PermissionDeniedError(
+                f"Missing or wrong {CSRF_HEADER} header: state-changing console calls must send the session's "
+                "CSRF token (reload the console).",
+                code="csrf_failed",
+            )
+    return session
+
+
+def _session_json(session: Session) -> dict[str, Any]:
+    return {"object": "console_session", "csrf_token": session.csrf_token, "expires_in_s": session.expires_in_s}
+
+
+async def login(request: Request) -> Response:
+    """`POST /ui/api/login` `{"master_key": "..."}` → the session cookie and its CSRF token."""
+    _check_origin(request)
+    settings: Settings = request.app.state.settings
+    store = _sessions(request)
+    window = await store.count_login(request.client.host if request.client else "unknown")
+    if window.num_attempts > settings.console.max_logins_per_min:
+        raise LimitError(
+            f"Too many login attempts from this address; retry in {window.retry_after_s} s.",
+            code="rate_limit_exceeded",
+            headers={"retry-after": str(window.retry_after_s)},
+        )
+    raw = await request.body()
+    try:
+        body = orjson.loads(raw) if len(raw) <= _MAX_LOGIN_BODY else None
+    except orjson.JSONDecodeError:
+        body = None
+    offered = body.get("master_key") if isinstance(body, dict) else None
+    if not isinstance(offered, str) or not offered:
+        raise InvalidRequestError('Send a JSON body {"master_key": "..."}.', param="master_key")
+    master_key = _master_key(request)
+    if master_key is None or not hmac.compare_digest(offered.encode(), master_key.encode()):
+        raise AuthError("Wrong master key.", code="invalid_api_key")
+    session = await store.create(master_key)
+    response = _json(_session_json(session))
+    response.set_cookie(
+        SESSION_COOKIE,
+        session.id,
+        max_age=session.expires_in_s,
+        path="/",
+        secure=request.url.scheme == "https",
+        httponly=True,
+        samesite="strict",
+    )
+    return response
+
+
+async def current_session(request: Request) -> Response:
+    """`GET /ui/api/session`: the session's CSRF token and remaining lifetime (a reloaded page asks here)."""
+    return _json(_session_json(await require_session(request, is_state_changing=False)))
+
+
+async def logout(request: Request) -> Response:
+    """`POST /ui/api/logout`: ends the session everywhere (its Redis record is deleted) and clears the cookie."""
+    if has_session_cookie(request):
+        try:
+            session: Session | None = await require_session(request, is_state_changing=True)
+        except AuthError:  # already ended: only the cookie is left to clear
+            session = None
+        if session is not None:
+            await _sessions(request).delete(session.id)
+    response = _json({"object": "console_session", "ended": True})
+    response.delete_cookie(
+        SESSION_COOKIE, path="/", secure=request.url.scheme == "https", httponly=True, samesite="strict"
+    )
+    return response
+
+
+async def unknown(request: Request) -> Response:
+    raise NotFoundError(f"The console has no page {request.url.path!r}; open /ui.", code="not_found")
+
+
+def console_routes() -> list[Route]:
+    return [
+        Route("/ui", _secured(index), methods=["GET"]),
+        Route("/ui/static/{name}", _secured(static), methods=["GET"]),
+        Route("/ui/api/login", _secured(login), methods=["POST"]),
+        Route("/ui/api/session", _secured(current_session), methods=["GET"]),
+        Route("/ui/api/logout", _secured(logout), methods=["POST"]),
+        Route("/ui/{rest:path}", _secured(unknown)),  # so every /ui response carries the headers
+    ]

@@ -1,0 +1,77 @@
+/* Models: the routing table with each deployment's host, state, cooldown, in-flight requests, and its recent latency
+ * and error rate (differences between reads of GET /admin/models over the last minute; this instance's view). */
+(function () {
+  'use strict';
+  const UG = window.UG;
+  const h = UG.h;
+  const POLL_MS = 2000;
+  const WINDOW_MS = 60000;
+
+  UG.pages.models = {
+    title: 'Models',
+    render(root) {
+      const box = h('div', { id: 'models' });
+      const error = h('p', { class: 'error' });
+      const history = []; // [{at, counters: {deployment: {num_attempts, num_errors, latency_sum_s}}}]
+      root.append(h('h1', {}, 'Models'),
+        h('p', { class: 'muted' }, 'Routing table as this gateway instance sees it; refreshed every 2 s. Latency and ' +
+          'error rate cover the attempts of the last minute (since start before the page has a minute of history).'),
+        error, box);
+
+      UG.every(POLL_MS, async () => {
+        let result;
+        try {
+          result = await UG.api('GET', '/admin/models');
+          error.textContent = '';
+        } catch (e) { error.textContent = e.message; return; }
+        const now = Date.now();
+        const counters = {};
+        for (const model of result.data) for (const d of model.deployments) counters[d.name] = d;
+        history.push({ at: now, counters: counters });
+        while (history.length > 2 && now - history[1].at >= WINDOW_MS) history.shift();
+        draw(result.data, history[0].at < now - POLL_MS / 2 ? history[0].counters : {});
+      });
+
+      function recent(d, before) {
+        const old = before[d.name] || { num_attempts: 0, num_errors: 0, latency_sum_s: 0 };
+        const attempts = d.num_attempts - old.num_attempts;
+        if (attempts <= 0) return { latency: null, errors: null, attempts: 0 };
+        return { attempts: attempts, latency: (d.latency_sum_s - old.latency_sum_s) / attempts,
+          errors: (d.num_errors - old.num_errors) / attempts };
+      }
+
+      function stateCell(d) {
+        const badge = h('span', { class: 'badge ' + d.state, 'data-state': d.state }, d.state.replace('_', ' '));
+        if (d.state !== 'cooling_down' || !d.cooldown_until) return h('td', {}, badge);
+        return h('td', {}, badge, h('div', { class: 'muted' },
+          'until ' + new Date(d.cooldown_until).toLocaleTimeString() + ' (' + Math.ceil(d.cooldown_remaining_s) + ' s)'));
+      }
+
+      function draw(models, before) {
+        UG.clear(box);
+        if (!models.length) box.appendChild(h('p', { class: 'muted' }, 'No models are routed.'));
+        for (const model of models) {
+          const rows = model.deployments.map((d) => {
+            const r = recent(d, before);
+            return h('tr', { 'data-deployment': d.name },
+              h('td', {}, d.name), h('td', {}, d.type), h('td', {}, d.host || (d.type === 'local' ? 'in-process' : '—')),
+              stateCell(d),
+              h('td', { class: 'num' }, d.num_in_flight + ' / ' + (d.max_in_flight === null ? '∞' : d.max_in_flight)),
+              h('td', { class: 'num' }, r.latency === null ? '—' : (1000 * r.latency).toFixed(0) + ' ms'),
+              h('td', { class: 'num' }, r.errors === null ? '—' : UG.pct(r.errors) + ' of ' + r.attempts),
+              h('td', { class: 'num hide-narrow' }, UG.fmt(d.weight)));
+          });
+          box.appendChild(h('div', { class: 'card', 'data-model': model.id },
+            h('h2', {}, model.id),
+            h('p', { class: 'muted' }, 'Aliases: ' + (model.aliases.join(', ') || 'none') +
+              (model.fallbacks.length ? ' · fallbacks: ' + model.fallbacks.join(' → ') : '')),
+            h('div', { class: 'table-wrap' }, h('table', {},
+              h('thead', {}, h('tr', {}, ['Deployment', 'Type', 'Upstream host', 'State', 'In flight / max',
+                'Latency', 'Errors', 'Weight'].map((t, i) => h('th', { class: (i >= 4 ? 'num' : '') +
+                (i === 7 ? ' hide-narrow' : '') }, t)))),
+              h('tbody', {}, rows)))));
+        }
+      }
+    },
+  };
+})();
