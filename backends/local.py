@@ -85,8 +85,20 @@ def load_engine(config: LocalBackendConfig) -> AsyncEngine:
 
     device = config.engine.resolved_device(torch.cuda.is_available())
     dtype = TORCH_DTYPES[config.engine.resolved_dtype(device)]
-    checkpoint = load_checkpoint(config.model_path or bundled_model_path(), cache_dir=config.cache_dir, dtype=dtype)
-    return AsyncEngine(LLMEngine.from_checkpoint(checkpoint, config.engine))
+    checkpoint = load_checkpoint(
+        config.model_path or bundled_model_path(),
+        cache_dir=config.cache_dir,
+        dtype=dtype,
+        quantization=config.engine.quantization,
+        quantization_group_size=config.engine.quantization_group_size,
+    )
+    engine = LLMEngine.from_checkpoint(checkpoint, config.engine, cache_dir=config.cache_dir)
+    if config.engine.quantization_check:  # served vs float32 perplexity on the evaluation text (a few seconds)
+        from local_engine.perplexity import check_quality
+
+        path = config.model_path or bundled_model_path()
+        check_quality(engine, lambda: load_checkpoint(path, cache_dir=config.cache_dir, dtype=torch.float32))
+    return AsyncEngine(engine)
 
 
 class LocalBackend:

@@ -1,6 +1,8 @@
 """`unigate kv-plan`: the KV-cache arithmetic, shown, for a model on a GPU.
 
     KV bytes per token  = 2 (K and V) × layers × kv_heads × head_dim × dtype bytes
+                          (+ int8: 2 × layers × kv_heads × 4 bytes of scales per 16-token block, as unigate's
+                          engine stores them)
     KV budget           = GPU memory × utilisation − weights
     max concurrency(L)  = floor(KV budget / (KV bytes per token × L))
 
@@ -28,6 +30,7 @@ __all__ = [
     "from_gguf",
     "from_hf_config",
     "kv_bytes_per_token",
+    "kv_scale_bytes_per_token",
     "load_shape",
     "parse_count",
     "parse_size",
@@ -112,8 +115,21 @@ def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes:.0f} B"
 
 
+# unigate's int8 KV cache keeps a float32 scale per (block, KV head) for K and for V; blocks of 16 tokens by default
+INT8_SCALE_BYTES = 4
+INT8_BLOCK_SIZE = 16
+
+
+def kv_scale_bytes_per_token(shape: ModelShape, kv_dtype: str) -> float:
+    """An int8 cache's scales, spread over the tokens of a block; 0 for other dtypes."""
+    if kv_dtype.lower() != "int8":
+        return 0.0
+    return 2 * shape.num_layers * shape.num_kv_heads * INT8_SCALE_BYTES / INT8_BLOCK_SIZE
+
+
 def kv_bytes_per_token(shape: ModelShape, kv_dtype: str) -> float:
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes(kv_dtype)
+    elements = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes(kv_dtype)
+    return elements + kv_scale_bytes_per_token(shape, kv_dtype)
 
 
 def from_explicit(
@@ -335,9 +351,15 @@ def render(kv: KvPlan) -> list[str]:
             lines.append(f"           (as stored in the file{stored}: {format_bytes(s.weights_bytes_stored)})")
     else:
         lines.append("weights    unknown: pass --params (e.g. 7B) to count them")
+    scales = kv_scale_bytes_per_token(s, kv.kv_dtype)
+    scale_terms = (
+        f" + scales 2 × {s.num_layers} × {s.num_kv_heads} × {INT8_SCALE_BYTES} B / {INT8_BLOCK_SIZE} tokens"
+        if scales
+        else ""
+    )
     lines.append(
         f"KV/token   2 (K,V) × {s.num_layers} layers × {s.num_kv_heads} kv heads × {s.head_dim} head dim × "
-        f"{dtype_bytes(kv.kv_dtype):g} B ({kv.kv_dtype}) = {kv.kv_bytes_per_token:,.0f} B = "
+        f"{dtype_bytes(kv.kv_dtype):g} B ({kv.kv_dtype}){scale_terms} = {kv.kv_bytes_per_token:,.0f} B = "
         f"{format_bytes(kv.kv_bytes_per_token)}"
     )
     if kv.kv_budget_bytes is not None and kv.gpu_memory_bytes is not None:

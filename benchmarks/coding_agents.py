@@ -12,20 +12,25 @@ GPU, the settings from the environment):
 2. The real clients, when installed (`npm install --prefix DIR @anthropic-ai/claude-code @openai/codex`, then
    `--agents-dir DIR`; or on the PATH): one non-interactive turn of each (`claude -p`, `codex exec`), then a second
    turn of the same session (`claude -p --continue`, `codex exec resume --last`), each in a scratch HOME with no
-   login and no settings but the gateway's. Per turn: exit status, the answer's first words, wall time, and every
-   request the gateway saw meanwhile (prompt and cached tokens, TTFT, `x-unigate-max-tokens-clamped`). A CLI that is
-   not installed is reported as such.
+   login and no settings but the gateway's. Per turn: exit status, the answer's first words, wall time, the load
+   average, and every request the gateway saw meanwhile (prompt and cached tokens, TTFT, how the answer ended, its
+   tokens and the engine's tokens per second, `x-unigate-max-tokens-clamped`). A CLI that is not installed is
+   reported as such. `--clients claude,claude-small` runs Claude Code as installed and in its small-model
+   configuration (`CLAUDE_SMALL_OPTIONS`: a one-line system prompt, no tools), `--repeat N` each N times (the model
+   samples at temperature 1).
 
 Targets (issue 20), with the bundled model on a 2-core CPU: both agents answer (any text) a one-line prompt, each turn
 takes under 60 s, and the second turn's prompt is served >= 90% from the prefix cache.
 
     .venv/bin/python benchmarks/coding_agents.py [--agents-dir /tmp/agents] [--skip-http] [--skip-cli]
+        [--clients claude,claude-small,codex] [--repeat N] [--turn-timeout S]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import re
@@ -38,7 +43,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import uvicorn
@@ -58,6 +63,11 @@ TARGET_CACHED = 0.90
 NOT_INSTALLED = "not installed (npm install --prefix DIR @anthropic-ai/claude-code @openai/codex; --agents-dir DIR)"
 FIRST_PROMPT = "Say hello in one line."
 SECOND_PROMPT = "Now say goodbye in one line."
+# Claude Code for a small local model (docs/coding-agents.md): its own system prompt (about 3,000 tokens with the
+# environment it describes) replaced by one line, no built-in tools, and none of what --bare skips (hooks, plugin
+# sync, auto-memory, background prefetches, CLAUDE.md discovery).
+SMALL_SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly."
+CLAUDE_SMALL_OPTIONS = ("--bare", "--system-prompt", SMALL_SYSTEM_PROMPT, "--tools", "")
 # The first event of an answer, in each API family's stream.
 _DELTA = re.compile(rb'"type":\s*"(content_block_delta|response\.output_text\.delta|response\.output_item\.added)"')
 
@@ -75,6 +85,7 @@ class Exchange:
     headers: dict[str, str] = field(default_factory=dict)
     ttft_s: float | None = None
     wall_s: float | None = None
+    last_s: float = 0.0  # the last chunk sent, also when the client went away before the end
     body: bytearray = field(default_factory=bytearray)
 
     def tokens(self) -> tuple[int, int] | None:
@@ -86,7 +97,15 @@ class Exchange:
         usage = f"prompt {tokens[0]}, cached {tokens[1]} ({percent(tokens)})" if tokens else "no usage"
         ttft = f"TTFT {self.ttft_s:.1f} s, " if self.ttft_s is not None else ""
         clamp = f", {CLAMP_HEADER}: {self.headers[CLAMP_HEADER]}" if CLAMP_HEADER in self.headers else ""
-        return f"POST {self.path} {self.status}: {usage}; {ttft}{self.wall_s or 0:.1f} s{clamp}"
+        wall = f"{self.wall_s:.1f} s" if self.wall_s is not None else f"cut off after {self.last_s:.1f} s"
+        return f"POST {self.path} {self.status}: {usage}; {ttft}{wall}; {self.describe_output()}{clamp}"
+
+    def describe_output(self) -> str:
+        """How the answer ended and how fast the engine wrote it (tokens after the first, per second)."""
+        reason, num_tokens = finish(self.body)
+        decode_s = (self.wall_s or self.last_s) - (self.ttft_s or 0.0)
+        speed = f" at {(num_tokens - 1) / decode_s:.1f} tok/s" if num_tokens > 1 and decode_s > 0 else ""
+        return f"{reason or 'no end'}, {num_tokens} tokens out{speed}"
 
 
 class UsageTap:
@@ -113,6 +132,7 @@ class UsageTap:
                 if exchange.ttft_s is None and _DELTA.search(chunk):
                     exchange.ttft_s = elapsed
                 exchange.body += chunk
+                exchange.last_s = elapsed
                 if not message.get("more_body"):
                     exchange.wall_s = elapsed
             await send(message)
@@ -138,6 +158,28 @@ def usage_tokens(body: bytes) -> tuple[int, int] | None:
     return None if found is None else _normalise(found)
 
 
+def finish(body: bytes | bytearray) -> tuple[str | None, int]:
+    """(how the answer ended, output tokens) from a streamed Anthropic or Responses answer: the stop reason the client
+    reads (`stop_reason`; `incomplete_details.reason` or `status`), None when the stream was cut before it, and the
+    usage's output tokens, else the number of text deltas sent."""
+    reason, num_tokens, num_deltas = None, None, 0
+    for line in body.decode("utf-8", errors="replace").splitlines():
+        event = _json(line[5:]) if line.startswith("data:") else None
+        if not isinstance(event, dict):
+            continue
+        kind = event.get("type")
+        if kind in ("content_block_delta", "response.output_text.delta"):
+            num_deltas += 1
+        delta, response = event.get("delta"), event.get("response")
+        if kind == "message_delta" and isinstance(delta, dict):  # Anthropic
+            reason, num_tokens = delta.get("stop_reason"), (event.get("usage") or {}).get("output_tokens")
+        elif kind in ("response.completed", "response.incomplete") and isinstance(response, dict):  # Responses
+            incomplete = response.get("incomplete_details") or {}
+            reason = incomplete.get("reason") or response.get("status")
+            num_tokens = (response.get("usage") or {}).get("output_tokens")
+    return reason, num_tokens if isinstance(num_tokens, int) else num_deltas
+
+
 def _json(text: str) -> Any:
     try:
         return json.loads(text)
@@ -159,12 +201,11 @@ def percent(tokens: tuple[int, int] | None) -> str:
 
 
 class Gateway:
-    """The gateway with the bundled model (the default routing table), under uvicorn in a thread."""
+    """A gateway app serving `model` to the key `KEY`, under uvicorn in a thread, its answers recorded."""
 
-    def __init__(self, data_dir: Path) -> None:
-        settings = Settings(_env_file=None, master_key=KEY, data_dir=data_dir, health_probe_interval_s=0)  # type: ignore[call-arg]
-        self.model = settings.engine.model_id
-        self.tap = UsageTap(create_app(settings, access=MasterKeyAccess(KEY), routing=default_routing(settings)))
+    def __init__(self, app: Any, model: str) -> None:
+        self.model = model
+        self.tap = UsageTap(app)
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
@@ -172,6 +213,13 @@ class Gateway:
         config = uvicorn.Config(self.tap, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
+
+    @classmethod
+    def bundled(cls, data_dir: Path) -> Gateway:
+        """The gateway with the bundled model (the default routing table), the settings from the environment."""
+        settings = Settings(_env_file=None, master_key=KEY, data_dir=data_dir, health_probe_interval_s=0)  # type: ignore[call-arg]
+        app = create_app(settings, access=MasterKeyAccess(KEY), routing=default_routing(settings))
+        return cls(app, settings.engine.model_id)
 
     def start(self, timeout_s: float = 600.0) -> Gateway:
         self.thread.start()
@@ -322,12 +370,17 @@ class Turn:
     wall_s: float
     exchanges: list[Exchange]
     error: str = ""
+    load: tuple[float, ...] = ()  # the load average (1, 5, 15 min) as the turn started
 
     @property
     def main(self) -> Exchange | None:
         """The turn's request with the longest prompt (clients add small side requests, e.g. titles)."""
         counted = [e for e in self.exchanges if e.tokens()]
         return max(counted, key=lambda e: (e.tokens() or (0, 0))[0], default=None)
+
+
+class TurnsRunner(Protocol):
+    def __call__(self, binary: str, gateway: Gateway, directory: Path, timeout_s: float) -> list[Turn]: ...
 
 
 def find_cli(name: str, agents_dir: Path | None) -> str | None:
@@ -340,6 +393,7 @@ def find_cli(name: str, agents_dir: Path | None) -> str | None:
 
 def run_turn(name: str, command: list[str], env: dict[str, str], cwd: Path, gateway: Gateway, timeout_s: float) -> Turn:
     mark = len(gateway.tap.exchanges)
+    load = os.getloadavg()
     started = time.perf_counter()
     try:
         done = subprocess.run(
@@ -354,7 +408,7 @@ def run_turn(name: str, command: list[str], env: dict[str, str], cwd: Path, gate
     if exit_code != 0 and not error:
         tail = (stderr or stdout).strip().splitlines()
         error = tail[-1] if tail else ""
-    return Turn(name, exit_code, answer, wall_s, gateway.tap.exchanges[mark:], error[:300])
+    return Turn(name, exit_code, answer, wall_s, gateway.tap.exchanges[mark:], error[:300], load)
 
 
 def read_answer(stdout: str) -> tuple[str, str]:
@@ -379,9 +433,11 @@ def base_env(home: Path) -> dict[str, str]:
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "LANG": "C.UTF-8", "TERM": "dumb"}
 
 
-def claude_turns_cli(binary: str, gateway: Gateway, scratch: Path, timeout_s: float) -> list[Turn]:
-    home, work = scratch / "claude-home", scratch / "claude-work"
-    home.mkdir()
+def claude_turns_cli(
+    binary: str, gateway: Gateway, directory: Path, timeout_s: float, options: tuple[str, ...] = ()
+) -> list[Turn]:
+    home, work = directory / "home", directory / "work"
+    home.mkdir(parents=True)
     work.mkdir()
     env = base_env(home) | {
         "ANTHROPIC_BASE_URL": gateway.url,
@@ -392,17 +448,18 @@ def claude_turns_cli(binary: str, gateway: Gateway, scratch: Path, timeout_s: fl
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "DISABLE_AUTOUPDATER": "1",
     }
-    command = [binary, "-p", "--output-format", "json", "--model", gateway.model]
+    # The options come first: `--tools` takes every argument up to the next option, the prompt included.
+    command = [binary, *options, "-p", "--output-format", "json", "--model", gateway.model]
     return [
         run_turn("turn 1", [*command, FIRST_PROMPT], env, work, gateway, timeout_s),
         run_turn("turn 2", [*command, "--continue", SECOND_PROMPT], env, work, gateway, timeout_s),
     ]
 
 
-def codex_turns_cli(binary: str, gateway: Gateway, scratch: Path, timeout_s: float) -> list[Turn]:
-    home, codex_home, work = scratch / "codex-home", scratch / "codex-config", scratch / "codex-work"
-    for directory in (home, codex_home, work):
-        directory.mkdir()
+def codex_turns_cli(binary: str, gateway: Gateway, directory: Path, timeout_s: float) -> list[Turn]:
+    home, codex_home, work = directory / "home", directory / "config", directory / "work"
+    for path in (home, codex_home, work):
+        path.mkdir(parents=True)
     (codex_home / "config.toml").write_text(
         f'model = "{gateway.model}"\nmodel_provider = "unigate"\n\n[model_providers.unigate]\nname = "unigate"\n'
         f'base_url = "{gateway.url}/v1"\nenv_key = "UNIGATE_API_KEY"\nwire_api = "responses"\n'
@@ -415,27 +472,61 @@ def codex_turns_cli(binary: str, gateway: Gateway, scratch: Path, timeout_s: flo
     ]
 
 
+CLIENTS = ("claude", "claude-small", "codex")
+
+
+def client_names(text: str) -> list[str]:
+    names = text.split(",")
+    if unknown := [name for name in names if name not in CLIENTS]:
+        raise argparse.ArgumentTypeError(f"unknown client {unknown[0]!r}: choose from {', '.join(CLIENTS)}")
+    return names
+
+
+def cli_runs(clients: list[str]) -> list[tuple[str, str, TurnsRunner]]:
+    """(CLI, title, runner) for each client configuration named (`CLIENTS`), in that order."""
+    runs: dict[str, tuple[str, str, TurnsRunner]] = {
+        "claude": ("claude", "Claude Code", claude_turns_cli),
+        "claude-small": (
+            "claude",
+            "Claude Code, small-model configuration",
+            functools.partial(claude_turns_cli, options=CLAUDE_SMALL_OPTIONS),
+        ),
+        "codex": ("codex", "Codex CLI", codex_turns_cli),
+    }
+    return [runs[name] for name in clients]
+
+
 def cli_section(gateway: Gateway, args: argparse.Namespace, scratch: Path) -> list[str]:
+    """Each installed client configuration's two turns, `args.repeat` rounds of all of them (so that a load that
+    changes meanwhile falls on every configuration alike)."""
     lines = ["## Claude Code and Codex CLI, two turns each", ""]
-    runners = (("claude", "Claude Code", claude_turns_cli), ("codex", "Codex CLI", codex_turns_cli))
-    for name, title, runner in runners:
+    installed = []
+    for index, (name, title, runner) in enumerate(cli_runs(args.clients)):
         binary = find_cli(name, args.agents_dir)
         if binary is None:
             lines.append(f"- {title}: {NOT_INSTALLED}")
             print(lines[-1], flush=True)
             continue
         version = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
-        lines += [f"### {title} ({version})", ""]
-        turns = runner(binary, gateway, scratch, args.turn_timeout)
-        for turn in turns:
-            status = "answered" if turn.exit_code == 0 and turn.answer.strip() else f"failed (exit {turn.exit_code})"
-            lines.append(f"- {turn.name}: {status} in {turn.wall_s:.1f} s: {turn.answer.strip()[:100]!r}")
-            if turn.error:
-                lines.append(f"  - error: {turn.error}")
-            lines += [f"  - {exchange.describe()}" for exchange in turn.exchanges]
-            print("\n".join(lines[-1 - len(turn.exchanges) - bool(turn.error) :]), flush=True)
-        lines += ["", *verdict(turns), ""]
+        installed.append((f"{name}-{index}", f"{title} ({version})", binary, runner))
+    for attempt in range(1, args.repeat + 1):
+        for key, title, binary, runner in installed:
+            lines += [f"### {title}" + (f", run {attempt} of {args.repeat}" if args.repeat > 1 else ""), ""]
+            turns = runner(binary, gateway, scratch / f"{key}-{attempt}", args.turn_timeout)
+            for turn in turns:
+                lines += describe_turn(turn)
+                print("\n".join(lines[-1 - len(turn.exchanges) - bool(turn.error) :]), flush=True)
+            lines += ["", *verdict(turns), ""]
     return lines
+
+
+def describe_turn(turn: Turn) -> list[str]:
+    status = "answered" if turn.exit_code == 0 and turn.answer.strip() else f"failed (exit {turn.exit_code})"
+    load = " ".join(f"{value:.2f}" for value in turn.load)
+    lines = [f"- {turn.name}: {status} in {turn.wall_s:.1f} s (load {load}): {turn.answer.strip()[:100]!r}"]
+    if turn.error:
+        lines.append(f"  - error: {turn.error}")
+    return lines + [f"  - {exchange.describe()}" for exchange in turn.exchanges]
 
 
 def verdict(turns: list[Turn]) -> list[str]:
@@ -461,15 +552,24 @@ def main() -> None:
     parser.add_argument("--system-chars", type=int, default=12_000, help="system prompt size of the HTTP turns")
     parser.add_argument("--max-tokens", type=int, default=48, help="output limit of the HTTP turns")
     parser.add_argument("--turn-timeout", type=float, default=300.0, help="seconds before a CLI turn is killed")
+    parser.add_argument(
+        "--clients",
+        type=client_names,
+        default=["claude", "codex"],
+        help="client configurations to run, in order: claude, claude-small (--bare, a one-line --system-prompt, "
+        "--tools ''), codex (default: claude,codex)",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each client configuration (they sample)")
     args = parser.parse_args()
-    has_cli = not args.skip_cli and any(find_cli(name, args.agents_dir) for name in ("claude", "codex"))
+    runs = cli_runs(args.clients)
+    has_cli = not args.skip_cli and any(find_cli(name, args.agents_dir) for name, _, _ in runs)
     if args.skip_http and not has_cli:  # nothing to run: no model load
         print("\n".join(not_installed(args)))
         return
     with tempfile.TemporaryDirectory(prefix="coding-agents-") as tmp:
         scratch = Path(tmp)
         started = time.perf_counter()
-        gateway = Gateway(scratch / "data").start()
+        gateway = Gateway.bundled(scratch / "data").start()
         print(f"# Coding agents on {gateway.model} (gateway ready in {time.perf_counter() - started:.0f} s)\n")
         try:
             report = [] if args.skip_http else http_section(gateway, args)
@@ -482,7 +582,7 @@ def main() -> None:
 def not_installed(args: argparse.Namespace) -> list[str]:
     if args.skip_cli:
         return ["- Claude Code, Codex CLI: skipped (--skip-cli)"]
-    return [f"- {title}: {NOT_INSTALLED}" for title in ("Claude Code", "Codex CLI")]
+    return [f"- {title}: {NOT_INSTALLED}" for _, title, _ in cli_runs(args.clients)]
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
-"""Speculative decoding (n-gram prompt lookup) on the bundled SmolLM2-135M-Instruct, float32, on this CPU.
+"""Speculative decoding (n-gram prompt lookup, draft models) on the bundled SmolLM2-135M-Instruct, float32, on this CPU.
 
     python benchmarks/speculative.py              # 2 alternating rounds (several minutes on 2 cores)
     python benchmarks/speculative.py --rounds 3 --max-tokens 192
+    python benchmarks/speculative.py --modes off,draft-bf16,draft-layers --rounds 1 --max-tokens 32 --batches 1
 
 Two workloads through the model's chat template, greedy:
 - edit: the prompt holds a ~400-token source file and asks for it back with one small change (what coding agents
   send: their outputs repeat their inputs);
 - chat: ordinary questions.
 Each at batch 1 (requests one after another) and batch 8 (all at once). Modes: `off`, `ngram` (the defaults of
-`SpeculativeConfig` but enabled) and, at batch 8, `ngram-all` (speculation on whatever the batch size). One engine
+`SpeculativeConfig` but enabled), at batch 8 `ngram-all` (speculation on whatever the batch size), and two drafts
+made of the target itself (no smaller model of its family ships here): `draft-bf16` (a bfloat16 copy of the
+float32 target) and `draft-layers` (its first `--draft-num-layers` layers, float32). One engine
 serves every mode (only its speculator changes), prefix caching off so every run prefills afresh; the modes
 alternate within each round because the host's speed swings. Reported per workload, batch and mode: output tok/s
 (prefill included) and decode tok/s (after the first token), medians over rounds, TTFT p50, the acceptance rate,
@@ -32,11 +35,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from local_engine.config import SpeculativeConfig
+from local_engine.config import EngineConfig, SpeculativeConfig
+from local_engine.draft import DraftProposer
 from local_engine.engine import LLMEngine
-from local_engine.loader import bundled_model_path, load_checkpoint
+from local_engine.loader import Checkpoint, bundled_model_path, load_checkpoint
 from local_engine.sampling_params import SamplingParams
-from local_engine.speculative import build_speculator
+from local_engine.speculative import Speculator, build_speculator
 
 ROOT = Path(__file__).resolve().parents[1]
 # (source file, the line range kept, the change asked for)
@@ -192,12 +196,13 @@ def main() -> None:
     parser.add_argument("--ngram-min", type=int)
     parser.add_argument("--ngram-max", type=int)
     parser.add_argument("--workloads", default="edit,chat")
+    parser.add_argument("--modes", default="off,ngram,ngram-all,draft-bf16,draft-layers")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--draft-num-layers", type=int, default=15, help="layers of the draft-layers mode")
     parser.add_argument("--cache-dir", type=Path, default=Path(".unigate/models"))
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    from local_engine.config import EngineConfig
-
     checkpoint = load_checkpoint(bundled_model_path(), cache_dir=args.cache_dir, dtype=torch.float32)
     config = EngineConfig(
         device="cpu", dtype="float32", kv_cache_memory=2**30, max_num_seqs=64, enable_prefix_caching=False
@@ -212,16 +217,27 @@ def main() -> None:
     overrides = {"num_tokens": args.num_tokens, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max}
     defaults = SpeculativeConfig(method="ngram", **{k: v for k, v in overrides.items() if v is not None})
     print(f"ngram settings: {defaults}", flush=True)
-    modes = {
+    drafts = {
+        "draft-bf16": {"draft_dtype": "bfloat16"},
+        "draft-layers": {"draft_num_layers": args.draft_num_layers},
+    }
+    all_modes: dict[str, SpeculativeConfig | None] = {
         "off": None,
         "ngram": defaults,
         "ngram-all": defaults.model_copy(update={"max_num_seqs": 64}),
+        **{
+            name: SpeculativeConfig(method="draft", num_tokens=defaults.num_tokens, **fields)  # type: ignore[arg-type]
+            for name, fields in drafts.items()
+        },
     }
+    modes = {name: all_modes[name] for name in args.modes.split(",")}
+    assert "off" in modes, "every mode is compared with off"
+    speculators = {name: speculator_for(engine, config, checkpoint, spec) for name, spec in modes.items()}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     cells: dict[tuple[str, int, str], Cell] = {}
     for round_index in range(args.rounds):
         for workload, prompts in workloads.items():
-            for batch in (1, 8):
+            for batch in [int(b) for b in args.batches.split(",")]:
                 chosen = prompts[: args.batch1_requests] if batch == 1 else prompts
                 reference: list[list[int]] | None = None
                 order = list(modes) if round_index % 2 == 0 else list(reversed(modes))
@@ -229,8 +245,7 @@ def main() -> None:
                 for mode in order:
                     if mode == "ngram-all" and batch == 1:
                         continue  # the same as ngram below the batch threshold
-                    spec_config = modes[mode]
-                    engine.speculator = build_speculator(spec_config) if spec_config is not None else None
+                    engine.speculator = speculators[mode]
                     runs[mode] = measure(engine, chosen, batch, params, f"{round_index}-{workload}-{batch}-{mode}")
                 reference = runs["off"].tokens
                 for mode, run in runs.items():
@@ -268,6 +283,17 @@ def main() -> None:
             f"{statistics.median(cell.ttft_s) * 1000:.0f} | {acceptance} | {per_step} | "
             f"{'yes' if all(cell.identical) else 'no'} |"
         )
+
+
+def speculator_for(
+    engine: LLMEngine, config: EngineConfig, checkpoint: Checkpoint, spec: SpeculativeConfig | None
+) -> Speculator | None:
+    """The mode's speculator for the one engine; a draft mode builds its draft model (and KV cache) once."""
+    if spec is None or spec.method != "draft":
+        return build_speculator(spec) if spec is not None else None
+    options = config.model_copy(update={"speculative": spec})
+    draft = DraftProposer.build(options, engine.model_config, engine.capacity, checkpoint.state_dict, checkpoint.blocks)
+    return build_speculator(spec, draft)
 
 
 if __name__ == "__main__":

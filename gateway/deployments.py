@@ -46,14 +46,21 @@ def build_backend(deployment: DeploymentConfig, settings: Settings) -> Backend:
 
 
 def local_config(deployment: DeploymentConfig, settings: Settings) -> LocalBackendConfig:
-    """A `type: local` deployment's config: its own model, output limits and speculative decoding where it sets
-    them, the engine settings' otherwise."""
+    """A `type: local` deployment's config: its own model, output limits, speculative decoding and quantization
+    where it sets them, the engine settings' otherwise."""
     from backends.local import LocalBackendConfig
 
     engine = settings.engine
     engine_config = engine.engine_config()
     if deployment.speculative is not None:
         engine_config = engine_config.model_copy(update={"speculative": deployment.speculative})
+    quantization = {
+        field: getattr(deployment, field)
+        for field in ("quantization", "quantization_group_size")
+        if getattr(deployment, field) is not None
+    }
+    if quantization:
+        engine_config = engine_config.model_copy(update=quantization)
     return LocalBackendConfig(
         name=deployment.name,
         model_id=deployment.id or engine.model_id,

@@ -26,6 +26,7 @@ models:
     deployments:
       - type: local
         default_max_tokens: 1024 # output limit when the client sends none (default: the engine setting)
+        quantization: int8       # optional: none | int8 | int4 weights, quantized at load (quantization_group_size)
   - id: openai/*                 # wildcard: forwards openai/<anything> as <anything>
     deployments: [{type: openai, base_url: ..., api_key: env:OPENAI_API_KEY}]
 fallbacks:
@@ -132,6 +133,10 @@ class DeploymentConfig(BaseModel):
     # `type: local`: speculative decoding for this deployment's engine (docs/local-engine.md#speculative-decoding),
     # the same fields as UNIGATE_ENGINE__SPECULATIVE__*; None = those settings.
     speculative: SpeculativeConfig | None = None
+    # `type: local`: weight-only quantization of this deployment's model (docs/local-engine.md#quantization), as
+    # UNIGATE_ENGINE__QUANTIZATION / __QUANTIZATION_GROUP_SIZE; None = those settings.
+    quantization: Literal["none", "int8", "int4"] | None = None
+    quantization_group_size: int | None = Field(default=None, gt=0, multiple_of=32)
 
     @field_validator("api_key")
     @classmethod
@@ -158,6 +163,9 @@ class DeploymentConfig(BaseModel):
             raise ValueError("`default_max_tokens` applies to `type: local` deployments only; remove it")
         if self.type != "local" and self.speculative is not None:
             raise ValueError("`speculative` applies to `type: local` deployments only; remove it")
+        for field in ("quantization", "quantization_group_size"):
+            if self.type != "local" and getattr(self, field) is not None:
+                raise ValueError(f"`{field}` applies to `type: local` deployments only; remove it")
         if self.type != "local" and self.clamp_max_tokens and self.context_length is None:
             raise ValueError(
                 "`clamp_max_tokens: true` needs the upstream model's `context_length` (e.g. context_length: 128000)"

@@ -16,10 +16,11 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-__all__ = ["DTYPE_BYTES", "EngineConfig", "KVCapacity", "ModelConfig", "SpeculativeConfig"]
+__all__ = ["DTYPE_BYTES", "KV_SCALE_BYTES", "EngineConfig", "KVCapacity", "ModelConfig", "SpeculativeConfig"]
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+KV_SCALE_BYTES = 4  # an int8 KV cache's float32 scale per (block, KV head), for K and for V
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -38,6 +39,24 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if rope_type not in ("llama3", "linear"):
         raise ValueError(f"rope scaling {rope_type!r} is not supported (supported: default, linear, llama3)")
     return theta, {"rope_type": rope_type, **scaling}
+
+
+def _sliding_window(hf: dict[str, Any], model_type: str, num_layers: int) -> int | None:
+    """The attention window of a checkpoint that uses one (transformers' rule: a token attends to the previous
+    `sliding_window` tokens, itself included), else None. Mistral applies `sliding_window` to every layer; Qwen2/3
+    only with `use_sliding_window`, to the layers `layer_types` (or `max_window_layers`) marks."""
+    window = hf.get("sliding_window")
+    if window is None or model_type == "llama":
+        return None
+    if model_type in ("qwen2", "qwen3"):
+        layer_types = hf.get("layer_types")
+        if layer_types is not None:
+            is_used = "sliding_attention" in layer_types
+        else:
+            is_used = int(hf.get("max_window_layers", num_layers)) < num_layers
+        if not (hf.get("use_sliding_window") and is_used):
+            return None
+    return int(window)
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -70,6 +89,9 @@ class ModelConfig:
     has_qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before rope
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Sliding-window attention (Mistral v0.1); the engine attends to the whole context, so it serves at most this
+    # many tokens (`EngineConfig.resolved_max_model_len`), where both attentions agree.
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -108,11 +130,16 @@ class ModelConfig:
             has_qk_norm=model_type == "qwen3",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+            sliding_window=_sliding_window(hf, model_type, int(hf["num_hidden_layers"])),
         )
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         """2 (K and V) × layers × kv_heads × head_dim × dtype bytes."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * DTYPE_BYTES[dtype]
+
+    def kv_scale_bytes_per_block(self, dtype: str) -> int:
+        """An int8 KV cache's scales: 2 (K and V) × layers × kv_heads × 4 bytes per block; none for float dtypes."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * KV_SCALE_BYTES if dtype == "int8" else 0
 
 
 @dataclass(frozen=True)
@@ -121,7 +148,9 @@ class KVCapacity:
 
     num_blocks: int
     block_size: int
-    bytes_per_token: int
+    bytes_per_token: int  # the cache's own elements; an int8 cache adds `scale_bytes_per_block`
+    kv_dtype: str = "float32"
+    scale_bytes_per_block: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -129,7 +158,7 @@ class KVCapacity:
 
     @property
     def num_bytes(self) -> int:
-        return self.num_tokens * self.bytes_per_token
+        return self.num_tokens * self.bytes_per_token + self.num_blocks * self.scale_bytes_per_block
 
     def max_concurrent_seqs(self, seq_len: int) -> int:
         """How many sequences of `seq_len` tokens fit at once (each needs ceil(len / block_size) blocks)."""
@@ -142,6 +171,8 @@ class KVCapacity:
             "num_tokens": self.num_tokens,
             "bytes": self.num_bytes,
             "bytes_per_token": self.bytes_per_token,
+            "kv_dtype": self.kv_dtype,
+            "scale_bytes_per_block": self.scale_bytes_per_block,
             "max_concurrent_seqs": {str(n): self.max_concurrent_seqs(n) for n in seq_lens},
         }
 
@@ -155,17 +186,34 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    method: Literal["off", "ngram"] = "off"  # ngram: prompt lookup over the request's own prompt and output
+    # ngram: prompt lookup over the request's own prompt and output; draft: a draft model (`local_engine/draft.py`)
+    method: Literal["off", "ngram", "draft"] = "off"
     num_tokens: int = Field(default=4, ge=1, le=16)  # k: the most tokens proposed per sequence and step
     ngram_max: int = Field(default=3, ge=1)  # the longest suffix looked up first...
     ngram_min: int = Field(default=2, ge=1)  # ...then shorter ones, down to this
     # Speculate only while at most this many sequences run; a larger batch decodes normally.
     max_num_seqs: int = Field(default=4, ge=1)
+    # draft: a checkpoint with the target's vocabulary (HF directory or .gguf); None = the target's own weights...
+    draft_model_path: str | None = None
+    # ...in this dtype ("auto": the target's; e.g. bfloat16 drafting for a float32 target)...
+    draft_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # ...keeping only the first this many decoder layers (an early-exit draft); None = all of them
+    draft_num_layers: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _check_ngram(self) -> SpeculativeConfig:
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        if (
+            self.method == "draft"
+            and self.draft_model_path is None
+            and self.draft_dtype == "auto"
+            and self.draft_num_layers is None
+        ):
+            raise ValueError(
+                "method=draft without draft_model_path drafts with the target's own weights: make that copy cheaper "
+                "with draft_dtype (e.g. bfloat16) or draft_num_layers, or set draft_model_path"
+            )
         return self
 
 
@@ -182,6 +230,8 @@ class EngineConfig(BaseModel):
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # KV cache elements: auto = the model dtype; int8 = per-(block, KV head) float32 scales (docs/local-engine.md)
+    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "int8"] = "auto"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     block_size: int = 16  # tokens per KV block
     kv_cache_memory: int | None = None  # bytes; None = a fraction of free device memory (GPU) or the CPU default
@@ -197,6 +247,13 @@ class EngineConfig(BaseModel):
     # CPU, with cpu_kernels: decode-size projections read a GGUF checkpoint's Q4_1/Q8_0 blocks as stored (the same
     # float32 results, 5-6x fewer bytes per step) instead of float32 panels
     cpu_gguf_blocks: bool = True
+    # Weight-only quantization at load time (local_engine/quantization.py): int8 symmetric per output channel,
+    # int4 in groups of `quantization_group_size` along the input with a scale and a minimum per group
+    quantization: Literal["none", "int8", "int4"] = "none"
+    quantization_group_size: int = 32
+    # With quantized weights or an int8 KV cache: measure perplexity on the evaluation text at start-up against a
+    # float32 copy, warn past +1% (int8) / +5% (int4) (local_engine/perplexity.py)
+    quantization_check: bool = False
     speculative: SpeculativeConfig = SpeculativeConfig()
 
     @field_validator("block_size")
@@ -204,6 +261,13 @@ class EngineConfig(BaseModel):
     def _check_block_size(cls, value: int) -> int:
         if not _is_power_of_two(value):
             raise ValueError("block_size must be a positive power of two (e.g. 16 or 32)")
+        return value
+
+    @field_validator("quantization_group_size")
+    @classmethod
+    def _check_quantization_group_size(cls, value: int) -> int:
+        if value <= 0 or value % 32:
+            raise ValueError("quantization_group_size must be a positive multiple of 32 (e.g. 32, 64 or 128)")
         return value
 
     @field_validator("kv_cache_memory")
@@ -264,12 +328,18 @@ class EngineConfig(BaseModel):
             return "bfloat16" if device == "cuda" else "float32"
         return self.dtype
 
+    def resolved_kv_cache_dtype(self, model_dtype: str) -> str:
+        """The model dtype unless set."""
+        return model_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
     def resolved_attention_backend(self, device: str, is_triton_available: bool) -> str:
         if self.attention_backend == "auto":
             return "triton" if device == "cuda" and is_triton_available else "torch"
         return self.attention_backend
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
-        if self.max_model_len is None:
-            return model.max_position_embeddings
-        return min(self.max_model_len, model.max_position_embeddings)
+        """`max_model_len` or the model's own, capped at a sliding window: past it full attention (what the engine
+        computes) gives other tokens than the checkpoint was trained for."""
+        length = model.max_position_embeddings if self.max_model_len is None else self.max_model_len
+        length = min(length, model.max_position_embeddings)
+        return length if model.sliding_window is None else min(length, model.sliding_window)

@@ -8,9 +8,10 @@ that cost is a large share of the step: SmolLM2-135M's RMSNorm over 31 rows took
 and on the same data, inside one parallel region, so the hidden states it returns equal the op-by-op forward's
 bit for bit (the tests check it); the embedding lookup before it and the logits after it stay in torch.
 
-It applies to float32 models on CPU with the native kernels on and every projection kept in the native kernel's
-panels (`layers/linear.py`, `PackedLinear` with `native_max_rows`; float32, or all four kinds in a GGUF file's
-own Q4_1 / Q8_0 blocks), to pure-decode batches of at most that many rows. Anything else (prefill and mixed
+It applies to float32 models on CPU (KV cache float32, or int8 with its scales) with the native kernels on and
+every projection kept in the native kernel's panels (`layers/linear.py`, `PackedLinear` with `native_max_rows`;
+float32, or all four kinds in a GGUF file's own Q4_1 / Q8_0 blocks), to pure-decode batches of at most that many
+rows. Anything else (prefill and mixed
 steps, larger batches, other dtypes) takes the model's forward.
 """
 
@@ -33,6 +34,10 @@ logger = logging.getLogger("unigate.engine")
 
 def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array[ctypes.c_void_p]:
     return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+
+def _scale_pointers(scales: list[torch.Tensor | None]) -> ctypes.Array[ctypes.c_void_p] | None:
+    return None if scales[0] is None else _pointers([s for s in scales if s is not None])
 
 
 class CpuDecoder:
@@ -78,6 +83,9 @@ class CpuDecoder:
             "down": _pointers(panels("down_proj")),
             "k_cache": _pointers([layer.self_attn.attn.k_cache for layer in layers]),
             "v_cache": _pointers([layer.self_attn.attn.v_cache for layer in layers]),
+            # an int8 KV cache's scales [num_blocks, KVH] per layer; none for a float32 cache
+            "k_scale": _scale_pointers([layer.self_attn.attn.k_scale for layer in layers]),
+            "v_scale": _scale_pointers([layer.self_attn.attn.v_scale for layer in layers]),
         }
         # The runner attaches the KV cache once; `run` checks that the first layer still holds the one pointed at.
         self._attention, self._k_cache = attn0.attn, attn0.attn.k_cache
@@ -154,9 +162,15 @@ def _unsupported(model: LlamaForCausalLM, kernel: cpu_kernels.Kernel, max_rows: 
             formats.add(linear.weight_format)
     if len(formats) > 1:
         return "the projections' panels hold weights in more than one format"
+    for layer in model.model.layers:
         attn = layer.self_attn.attn
         if not (attn.k_cache.dim() == 4 and attn.k_cache.is_contiguous() and attn.v_cache.is_contiguous()):
             return "the KV cache is not allocated"
+        is_int8 = attn.k_cache.dtype == torch.int8 and attn.k_scale is not None and attn.v_scale is not None
+        if attn.k_cache.dtype != torch.float32 and not is_int8:
+            return f"the KV cache is {attn.k_cache.dtype} (the native decoder reads float32 or int8)"
+        if is_int8 and config.head_dim > kernel.max_head_dim:
+            return "the head dim is past the int8 KV write's limit"
     group = config.num_attention_heads // config.num_key_value_heads
     block_size = model.model.layers[0].self_attn.attn.k_cache.shape[1]
     if not (

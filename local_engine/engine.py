@@ -10,12 +10,14 @@ model forward) propagates: the caller then `reset()`s the engine, which forgets 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import resource
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -80,7 +82,9 @@ class LLMEngine:
         tokenizer: Detokenizer | None = None,
         eos_token_ids: frozenset[int] | None = None,
         block_weights: Mapping[str, tuple[str, np.ndarray]] | None = None,
+        cache_dir: Path | None = None,
     ) -> None:
+        """`cache_dir`: where a GGUF draft model's conversion is cached (`speculative.draft_model_path`)."""
         self.model_config = model_config
         self.engine_config = engine_config
         self.tokenizer = tokenizer
@@ -91,7 +95,14 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._generate_ids = itertools.count()
         self.block_manager, self.scheduler, self.sampler = self._build_scheduling()
-        self.speculator = build_speculator(engine_config.speculative)
+        draft = None
+        if engine_config.speculative.method == "draft":
+            from local_engine.draft import DraftProposer
+
+            draft = DraftProposer.build(
+                engine_config, model_config, self.capacity, state_dict, block_weights, cache_dir=cache_dir
+            )
+        self.speculator = build_speculator(engine_config.speculative, draft)
 
     def _build_scheduling(self) -> tuple[BlockManager, Scheduler, Sampler]:
         config = self.engine_config
@@ -111,11 +122,16 @@ class LLMEngine:
         sampler) after a failed step. The weights and the KV cache tensors stay; their contents are unreferenced."""
         self.requests.clear()
         self.block_manager, self.scheduler, self.sampler = self._build_scheduling()
+        if self.speculator is not None:
+            self.speculator.reset()
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: Any, engine_config: EngineConfig) -> LLMEngine:
+    def from_checkpoint(
+        cls, checkpoint: Any, engine_config: EngineConfig, *, cache_dir: Path | None = None
+    ) -> LLMEngine:
         """From `local_engine.loader.Checkpoint` (hf_config, state_dict, tokenizer)."""
         model_config = ModelConfig.from_hf_config(checkpoint.hf_config)
+        _warn_sliding_window(str(getattr(checkpoint, "source", "the checkpoint")), model_config, engine_config)
         tokenizer = checkpoint.tokenizer
         eos = frozenset(model_config.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()))
         return cls(
@@ -125,6 +141,7 @@ class LLMEngine:
             tokenizer=tokenizer,
             eos_token_ids=eos,
             block_weights=getattr(checkpoint, "blocks", None),
+            cache_dir=cache_dir,
         )
 
     @property
@@ -203,7 +220,7 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, FinishReason.ABORT)
-                self.sampler.forget(seq)
+                self._forget(seq)
                 outputs.append(
                     CompletionOutput(seq.index, finish_reason="abort", num_output_tokens=seq.num_output_tokens)
                 )
@@ -222,6 +239,9 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.scheduler.max_model_len)
         batch = self.scheduler.schedule()
+        if self.speculator is not None:
+            for seq in batch.preempted:
+                self.speculator.forget(seq)
         if batch.is_empty:
             return []
         sampling_seqs = [s for s, m in zip(batch.seqs, batch.sampling_mask(), strict=True) if m]
@@ -297,17 +317,19 @@ class LLMEngine:
 
     def _verify(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[VerifyOutput, dict[str, Exception]]:
         """`Sampler.verify` over the batch; when that raises, sequence by sequence (as `_sample` does)."""
+        assert self.speculator is not None
+        draft_probs = self.speculator.proposal_probs(seqs)
         try:
-            return self.sampler.verify(logits, seqs), {}
+            return self.sampler.verify(logits, seqs, draft_probs), {}
         except Exception:
             pass
         merged = VerifyOutput([], [], [])
         failed: dict[str, Exception] = {}
         row = 0
-        for seq in seqs:
+        for seq, q in zip(seqs, draft_probs, strict=True):
             num_rows = len(seq.spec_token_ids) + 1
             try:
-                out = self.sampler.verify(logits[row : row + num_rows], [seq])
+                out = self.sampler.verify(logits[row : row + num_rows], [seq], [q])
             except Exception as error:
                 failed.setdefault(seq.request_id, error)
                 out = VerifyOutput([[]], [0], [[None]])
@@ -349,9 +371,15 @@ class LLMEngine:
         num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
         if not finished:
             return CompletionOutput(seq.index, text, new_token_ids, num_output_tokens=num_output_tokens)
-        self.sampler.forget(seq)
+        self._forget(seq)
         reason = seq.finish_reason.value if seq.finish_reason is not None else None
         return CompletionOutput(seq.index, text, new_token_ids, None, reason, seq.stop_reason, num_output_tokens)
+
+    def _forget(self, seq: Sequence) -> None:
+        """`seq` is finished: drop its sampling generator and what the proposer holds for it."""
+        self.sampler.forget(seq)
+        if self.speculator is not None:
+            self.speculator.forget(seq)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[SamplerOutput, dict[str, Exception]]:
         """Sample the batch; when that raises, sample row by row so only the requests whose rows raise fail.
@@ -403,7 +431,7 @@ class LLMEngine:
         num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
         if not finished:
             return CompletionOutput(seq.index, text, [token_id], num_output_tokens=num_output_tokens)
-        self.sampler.forget(seq)
+        self._forget(seq)
         reason = seq.finish_reason.value if seq.finish_reason is not None else None
         return CompletionOutput(seq.index, text, [token_id], None, reason, seq.stop_reason, num_output_tokens)
 
@@ -450,6 +478,8 @@ class LLMEngine:
             "model_type": self.model_config.model_type,
             "device": str(self.runner.device),
             "dtype": self.runner.dtype_name,
+            "kv_cache_dtype": self.runner.kv_dtype_name,  # capacity: its bytes per token and what fits
+            "quantization": self.engine_config.quantization,  # weight-only: none, int8 or int4 (at load time)
             "attention_backend": self.runner.attention_backend,
             "ops": self.runner.ops_name,  # torch_ops, cpu_ops (native CPU kernels) or kernels (Triton)
             "fused_cpu_decode": self.runner.cpu_decoder is not None,  # decode steps in one native call (CPU)
@@ -490,3 +520,21 @@ def _collect(
         changed[request.request_id] = (request, [out])
     else:
         entry[1].append(out)
+
+
+def _warn_sliding_window(source: str, model_config: ModelConfig, engine_config: EngineConfig) -> None:
+    """Say so when a sliding window caps the served context (`EngineConfig.resolved_max_model_len`)."""
+    window = model_config.sliding_window
+    if window is None:
+        return
+    uncapped = engine_config.resolved_max_model_len(dataclasses.replace(model_config, sliding_window=None))
+    if uncapped > window:
+        logger.warning(
+            "%s (%s) uses sliding-window attention over %d tokens, which this engine does not implement: the served "
+            "context is capped at %d tokens (was %d); longer requests get 400 context_length_exceeded",
+            source,
+            model_config.model_type,
+            window,
+            window,
+            uncapped,
+        )

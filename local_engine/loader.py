@@ -1,10 +1,12 @@
 """Loading a checkpoint for the local engine: a Hugging Face directory or a single GGUF file.
 
-    load_checkpoint(path, cache_dir, dtype) -> Checkpoint(hf_config, state_dict, tokenizer, ...)
+    load_checkpoint(path, cache_dir, dtype, quantization) -> Checkpoint(hf_config, state_dict, tokenizer, ...)
 
 A Hugging Face directory is read as it is (`config.json`, `*.safetensors` single or sharded with
 `model.safetensors.index.json`, tokenizer files). A GGUF file is dequantized and converted (`local_engine.gguf`);
 with a `cache_dir` the converted checkpoint is written there once and later loads read it like a directory.
+With `quantization` (int8 / int4: `local_engine/quantization.py`), either kind is quantized from its float32
+weights, and with a `cache_dir` the quantized checkpoint is cached too (its own entry), so a restart reads it.
 
 `hf_config` is normalised so the engine reads one shape whatever wrote the file: `rope_theta` and `rope_scaling`
 at top level (transformers 5 writes them inside `rope_parameters`), `head_dim`, `num_key_value_heads` and
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from local_engine import quantization as quant
 from local_engine.errors import CheckpointError
 from local_engine.tokenizer import Tokenizer
 from local_engine.weights_cache import WeightsCache
@@ -74,12 +77,26 @@ def bundled_model_path() -> Path:
     )
 
 
-def load_checkpoint(path: str | Path, cache_dir: Path | None = None, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Load a Hugging Face directory or a `.gguf` file; GGUF conversions are cached under `cache_dir` when given."""
+def load_checkpoint(
+    path: str | Path,
+    cache_dir: Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    quantization: str = "none",
+    quantization_group_size: int = 32,
+) -> Checkpoint:
+    """Load a Hugging Face directory or a `.gguf` file; GGUF conversions are cached under `cache_dir` when given.
+    With `quantization` "int8" or "int4" (groups of `quantization_group_size`), the projections and the output
+    head come quantized (`X.qweight`, `X.scales`, `X.mins`: `quantization.quantize_state_dict`; scales stay
+    float32 whatever `dtype`), cached under `cache_dir` when given."""
     source = Path(path).expanduser()
     started = time.perf_counter()
     blocks: dict[str, tuple[str, np.ndarray]] = {}
-    if source.is_dir():
+    if quantization not in ("none", "int8", "int4"):
+        raise ValueError(f"quantization must be none, int8 or int4, got {quantization!r}")
+    if quantization != "none" and (source.is_dir() or source.is_file()):
+        spec = quant.QuantizationSpec("int8" if quantization == "int8" else "int4", quantization_group_size)
+        config, state_dict, tokenizer, from_cache = _load_quantized(source, cache_dir, dtype, spec)
+    elif source.is_dir():
         config, state_dict, tokenizer = _load_hf_directory(source, dtype)
         from_cache = False
     elif source.is_file():
@@ -100,10 +117,11 @@ def load_checkpoint(path: str | Path, cache_dir: Path | None = None, dtype: torc
         blocks=blocks,
     )
     logger.info(
-        "loaded %s (%s, %s) in %.1f s%s: %.0f MiB of weights, peak RSS %.0f MiB",
+        "loaded %s (%s, %s%s) in %.1f s%s: %.0f MiB of weights, peak RSS %.0f MiB",
         source.name,
         config["model_type"],
         str(dtype).removeprefix("torch."),
+        "" if quantization == "none" else f", {quantization} weights",
         checkpoint.load_seconds,
         " from the weights cache" if from_cache else "",
         checkpoint.num_weight_bytes / 2**20,
@@ -140,7 +158,7 @@ def normalize_hf_config(config: dict[str, Any], state_dict: dict[str, torch.Tens
     if config["tie_word_embeddings"]:
         # Some checkpoints store the tied copy too; transformers ignores it and so do we.
         state_dict.pop("lm_head.weight", None)
-    elif "lm_head.weight" not in state_dict:
+    elif "lm_head.weight" not in state_dict and "lm_head.qweight" not in state_dict:
         raise CheckpointError(
             f"{source}: config.json says tie_word_embeddings=false but the weights have no lm_head.weight; "
             "the checkpoint is incomplete.",
@@ -182,6 +200,37 @@ def _load_gguf(
                 "could not write the weights cache under %s (%s); the next start converts again", cache_dir, exc
             )
     return config, _to_dtype(state_dict, dtype), tokenizer, False, converted.blocks if dtype == torch.float32 else {}
+
+
+def _load_quantized(
+    source: Path, cache_dir: Path | None, dtype: torch.dtype, spec: quant.QuantizationSpec
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer, bool]:
+    """(config, state dict with quantized projections, tokenizer, from the cache): the cache's entry for this
+    source and quantization when there is one, else the source loaded in float32 and quantized (and cached)."""
+    cache = WeightsCache(cache_dir) if cache_dir is not None else None
+    entry = cache.lookup(source, spec.tag) if cache is not None else None
+    if cache is not None and entry is not None:
+        try:
+            config, state_dict, tokenizer = _load_hf_directory(entry, dtype)
+            quant.split_quantized(state_dict, spec.group_size)  # the entry holds what it says (ValueError if not)
+            return config, state_dict, tokenizer, True
+        except (CheckpointError, OSError, ValueError):
+            cache.discard(entry)
+    if source.is_dir():
+        config, state_dict, tokenizer = _load_hf_directory(source, torch.float32)
+    else:
+        config, state_dict, tokenizer, _, _ = _load_gguf(source, cache_dir, torch.float32)
+    quantized = quant.quantize_state_dict(state_dict, spec, bool(config["tie_word_embeddings"]))
+    del state_dict
+    config = {**config, "unigate_quantization": {"method": spec.method, "group_size": spec.group_size}}
+    if cache is not None:
+        try:
+            cache.store(source, config, quantized, tokenizer, variant=spec.tag)
+        except OSError as exc:
+            logger.warning(
+                "could not write the weights cache under %s (%s); the next start quantizes again", cache_dir, exc
+            )
+    return config, _to_dtype(quantized, dtype), tokenizer, False
 
 
 def _load_hf_directory(
@@ -233,7 +282,7 @@ def _read_safetensors(directory: Path, dtype: torch.dtype) -> dict[str, torch.Te
                     if name.endswith("rotary_emb.inv_freq"):
                         continue  # a buffer old Llama checkpoints saved; the engine computes it
                     tensor = shard.get_tensor(name)
-                    state_dict[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                    state_dict[name] = tensor.to(dtype) if _is_model_float(name, tensor) else tensor
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(
                 f"{file} is not a readable safetensors file ({exc}); it is probably truncated: download it again.",
@@ -269,5 +318,10 @@ def _eos_ids(config: dict[str, Any]) -> set[int]:
     return {int(v) for v in value} if isinstance(value, list) else {int(value)}
 
 
+def _is_model_float(name: str, tensor: torch.Tensor) -> bool:
+    """A float tensor that takes the model's dtype: not a quantized weight's scales or minimums (float32 always)."""
+    return tensor.is_floating_point() and not name.endswith(quant.QUANTIZED_SUFFIXES)
+
+
 def _to_dtype(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {name: t.to(dtype) if t.is_floating_point() else t for name, t in state_dict.items()}
+    return {name: t.to(dtype) if _is_model_float(name, t) else t for name, t in state_dict.items()}

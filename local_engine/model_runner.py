@@ -23,6 +23,7 @@ from local_engine.layers.linear import (
     NATIVE_MAX_ROWS,
     PackedLinear,
     attach_block_panels,
+    attach_quantized_linears,
     is_packing_available,
     pack_linears,
 )
@@ -37,7 +38,7 @@ logger = logging.getLogger("unigate.engine")
 _MADV_HUGEPAGE = 14  # <linux/mman.h>
 _HUGE_PAGE = 2 << 20
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 
 
 def _is_triton_available() -> bool:
@@ -102,6 +103,8 @@ class ModelRunner:
         self.dtype_name = engine_config.resolved_dtype(self.device.type)
         self.dtype = TORCH_DTYPES[self.dtype_name]
         self.attention_backend = engine_config.resolved_attention_backend(self.device.type, _is_triton_available())
+        self.kv_dtype_name = engine_config.resolved_kv_cache_dtype(self.dtype_name)
+        self.kv_dtype = TORCH_DTYPES[self.kv_dtype_name]
         self.block_size = engine_config.block_size
         self.max_model_len = engine_config.resolved_max_model_len(model_config)
         native_cpu = self.device.type == "cpu" and engine_config.cpu_kernels
@@ -128,16 +131,18 @@ class ModelRunner:
                 self.block_panels = attach_block_panels(
                     self.model, block_weights, PACKED_MODULES, model_config.tie_word_embeddings
                 )
-            self.weights_bytes += sum(m.extra_bytes for m in self.model.modules() if isinstance(m, PackedLinear))
+        # packed copies beyond the parameters, and quantized weights (`QuantizedLinear`, any device)
+        self.weights_bytes += sum(m.extra_bytes for m in self.model.modules() if isinstance(m, PackedLinear))
         self.activations_peak_bytes: int | None = None  # measured by the profiling pass (GPU only)
         self.capacity = self._plan_kv_cache()
-        self.kv_cache = self._allocate_kv_cache(self.capacity.num_blocks)
+        self.kv_cache, self.kv_scales = self._allocate_kv_cache(self.capacity.num_blocks)
         self.graphs = self._build_graphs()
         self.cpu_decoder = self._build_cpu_decoder()
         logger.info(
             "engine ready in %.1fs: %s %s on %s, attention=%s, cuda graphs %s, native CPU decode steps %s%s; "
             "memory: weights %.0f MiB, "
-            "activations peak %s, KV cache %.0f MiB (%d blocks x %d tokens = %d tokens)",
+            "activations peak %s, KV cache %s %.0f MiB (%d blocks x %d tokens = %d tokens, %.0f bytes per token, "
+            "%d sequences of %d tokens)",
             time.perf_counter() - started,
             model_config.model_type,
             self.dtype_name,
@@ -148,16 +153,25 @@ class ModelRunner:
             "".join(f", {n} decode projections on the checkpoint's {k} blocks" for k, n in self.block_panels.items()),
             self.weights_bytes / 2**20,
             "not profiled" if self.activations_peak_bytes is None else f"{self.activations_peak_bytes / 2**20:.0f} MiB",
+            self.kv_dtype_name,
             self.capacity.num_bytes / 2**20,
             self.capacity.num_blocks,
             self.block_size,
             self.capacity.num_tokens,
+            self.capacity.num_bytes / max(self.capacity.num_tokens, 1),
+            self.capacity.max_concurrent_seqs(self.max_model_len),
+            self.max_model_len,
         )
 
     def _build_model(self, ops: Ops, state_dict: dict[str, torch.Tensor]) -> LlamaForCausalLM:
         # Built on the meta device so no time goes into random initialisation, then materialised and loaded.
         with torch.device("meta"):
             model = LlamaForCausalLM(self.model_config, ops, max_position=1)
+        # Quantized projections (`EngineConfig.quantization`) are swapped in first: they never get a float weight.
+        native = self.device.type == "cpu" and self.engine_config.cpu_kernels and self.dtype == torch.float32
+        native = native and cpu_kernels.is_available()
+        group_size = self.engine_config.quantization_group_size
+        state_dict = attach_quantized_linears(model, state_dict, PACKED_MODULES, self.device, group_size, native)
         model = model.to_empty(device=self.device).to(dtype=self.dtype)
         if self.model_config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
@@ -175,7 +189,8 @@ class ModelRunner:
         """Number of blocks from the memory budget: `kv_cache_memory` bytes; else, on a GPU, what
         `gpu_memory_utilization` of it leaves after weights, other users and the activation peak of a profiling
         forward pass at `max_num_batched_tokens`; else the CPU default."""
-        bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype_name)
+        bytes_per_token = self.model_config.kv_bytes_per_token(self.kv_dtype_name)
+        scale_bytes = self.model_config.kv_scale_bytes_per_block(self.kv_dtype_name)
         budget = self.engine_config.kv_cache_memory
         if budget is None and self.device.type == "cuda":
             self.activations_peak_bytes = self._profile_activations_peak()
@@ -190,14 +205,20 @@ class ModelRunner:
             )
         elif budget is None:
             budget = self.engine_config.cpu_kv_cache_memory
-        num_blocks = budget // (bytes_per_token * self.block_size)
+        num_blocks = budget // (bytes_per_token * self.block_size + scale_bytes)
         if num_blocks < 1:
             raise ValueError(
                 f"the KV cache budget ({budget} bytes) holds no block of {self.block_size} tokens "
                 f"({bytes_per_token} bytes per token): raise kv_cache_memory or gpu_memory_utilization, or lower "
                 "max_num_batched_tokens (the activation peak grows with it)"
             )
-        return KVCapacity(num_blocks=num_blocks, block_size=self.block_size, bytes_per_token=bytes_per_token)
+        return KVCapacity(
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            bytes_per_token=bytes_per_token,
+            kv_dtype=self.kv_dtype_name,
+            scale_bytes_per_block=scale_bytes,
+        )
 
     def _profile_activations_peak(self) -> int:
         """Bytes one forward pass at the full batched-token budget allocates on top of the weights (GPU)."""
@@ -216,7 +237,10 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - before
         torch.cuda.empty_cache()
         num_blocks = -(-self._dummy_num_tokens // self.block_size)
-        scratch_bytes = num_blocks * self.block_size * self.model_config.kv_bytes_per_token(self.dtype_name)
+        scratch_bytes = num_blocks * (
+            self.block_size * self.model_config.kv_bytes_per_token(self.kv_dtype_name)
+            + self.model_config.kv_scale_bytes_per_block(self.kv_dtype_name)
+        )
         return max(int(peak) - scratch_bytes, 0)
 
     @property
@@ -230,7 +254,7 @@ class ModelRunner:
         Returns the logits; the scratch cache is dropped and whatever cache was attached before is again."""
         num_tokens = self._dummy_num_tokens
         num_blocks = -(-num_tokens // self.block_size)
-        attached = [(attn.k_cache, attn.v_cache) for attn in self._attention_layers()]
+        attached = [(attn.k_cache, attn.v_cache, attn.k_scale, attn.v_scale) for attn in self._attention_layers()]
         self._allocate_kv_cache(num_blocks)
         device = self.device
         meta = AttentionMetadata(
@@ -248,8 +272,9 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)
         num_rows = min(self.engine_config.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:num_rows]).float()
-        for attn, (k_cache, v_cache) in zip(self._attention_layers(), attached, strict=True):
-            attn.k_cache, attn.v_cache = k_cache, v_cache  # drop the scratch cache, re-attach what was there
+        for attn, (k_cache, v_cache, k_scale, v_scale) in zip(self._attention_layers(), attached, strict=True):
+            # drop the scratch cache, re-attach what was there
+            attn.k_cache, attn.v_cache, attn.k_scale, attn.v_scale = k_cache, v_cache, k_scale, v_scale
         return logits
 
     def _build_graphs(self) -> DecodeGraphs | None:
@@ -280,19 +305,26 @@ class ModelRunner:
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]  # in layer order
 
-    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+    def _allocate_kv_cache(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The KV cache [2, layers, num_blocks, block_size, KVH, D] in the KV dtype and, for int8, its scales
+        [2, layers, num_blocks, KVH] (float32), attached to the attention layers."""
         c = self.model_config
         shape = (2, c.num_hidden_layers, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
         if self.device.type == "cpu":
-            kv_cache = torch.empty(shape, dtype=self.dtype)
+            kv_cache = torch.empty(shape, dtype=self.kv_dtype)
             advise_huge_pages(kv_cache)  # before the first touch, so zeroing faults the cache in as 2 MiB pages
             kv_cache.zero_()
         else:
-            kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        scales = None
+        if self.kv_dtype == torch.int8:
+            scales = torch.zeros(shape[:3] + shape[4:5], dtype=torch.float32, device=self.device)
         for i, attn in enumerate(self._attention_layers()):
             attn.k_cache = kv_cache[0, i]  # [num_blocks, block_size, KVH, D]
             attn.v_cache = kv_cache[1, i]
-        return kv_cache
+            attn.k_scale = None if scales is None else scales[0, i]  # [num_blocks, KVH]
+            attn.v_scale = None if scales is None else scales[1, i]
+        return kv_cache, scales
 
     # -- one step -----------------------------------------------------------------------------------------------
 

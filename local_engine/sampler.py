@@ -81,49 +81,73 @@ class Sampler:
         return logits, raw_logprobs
 
     @torch.inference_mode()
-    def verify(self, logits: torch.Tensor, seqs: list[Sequence]) -> VerifyOutput:
+    def verify(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        draft_probs: list[torch.Tensor | None] | None = None,
+    ) -> VerifyOutput:
         """logits [sum(1 + len(s.spec_token_ids)), V]: one row per query position of each sequence, in order.
+        `draft_probs[i]` (optional): [len(seqs[i].spec_token_ids), V], the distribution q the proposer sampled
+        `seqs[i]`'s proposals from; None: a deterministic proposal.
 
-        At each position the target picks its token exactly as `__call__` would (argmax, or a sample of the
-        processed distribution); proposed tokens are accepted while they equal the pick, and the pick at the first
-        mismatch (or after the last proposal) is the sequence's new token. A seeded sequence draws its noise row by
-        row and stops at the first mismatch, so it consumes one draw per token it gains: the same stream, and so
-        the same output, as without speculation. Requests with penalties or short of `min_tokens` never propose
-        (`local_engine/speculative.py`), so every row's processing is the same as a plain step's."""
+        Deterministic proposals: at each position the target picks its token exactly as `__call__` would (argmax,
+        or a sample of the processed distribution); proposed tokens are accepted while they equal the pick, and the
+        pick at the first mismatch (or after the last proposal) is the sequence's new token. A seeded sequence draws
+        its noise row by row and stops at the first mismatch, so it consumes one draw per token it gains: the same
+        stream, and so the same output, as without speculation. Sampled proposals (q given, sampling rows):
+        rejection sampling, proposal d accepted with probability min(1, p(d) / q(d)), the first rejected position
+        drawing from max(0, p - q) normalised (`_rejection_sample`), which leaves each token distributed as p.
+        Requests with penalties or short of `min_tokens` never propose (`local_engine/speculative.py`), so every
+        row's processing is the same as a plain step's."""
         proposals = [s.spec_token_ids for s in seqs]
         rows = [s for s, p in zip(seqs, proposals, strict=True) for _ in range(len(p) + 1)]
         vocab = logits.shape[1]
         params = [s.params for s in rows]
         logits, raw_logprobs = self._process(logits, rows)
         picks = logits.argmax(dim=-1)
+        # seq index -> (accepted count, token; None: the bonus row's pick) by rejection sampling
+        sampled: dict[int, tuple[int, int | None]] = {}
         if not all(p.is_greedy for p in params):
-            picks = self._verify_random(logits, seqs, rows, picks)
+            probs = self._probs(logits, rows)
+            picks = self._verify_random(probs, seqs, rows, picks)
+            if draft_probs is not None and any(q is not None for q in draft_probs):
+                sampled = self._rejection_sample(probs, seqs, draft_probs)
         pick_ids = picks.tolist()
-        row_logprobs = self._logprobs(raw_logprobs, pick_ids, rows, vocab)
         accepted: list[list[int]] = []
         tokens: list[int] = []
+        row = 0
+        for i, proposal in enumerate(proposals):
+            if i in sampled:
+                num_accepted, drawn = sampled[i]
+                token = pick_ids[row + num_accepted] if drawn is None else drawn
+            else:
+                num_accepted = 0
+                while num_accepted < len(proposal) and pick_ids[row + num_accepted] == proposal[num_accepted]:
+                    num_accepted += 1
+                token = pick_ids[row + num_accepted]
+            accepted.append(proposal[:num_accepted])
+            tokens.append(token)
+            # The chosen tokens, for the logprobs: rows past the sequence's new token are never read.
+            pick_ids[row : row + num_accepted + 1] = [*proposal[:num_accepted], token]
+            row += len(proposal) + 1
+        row_logprobs = self._logprobs(raw_logprobs, pick_ids, rows, vocab)
         logprobs: list[list[TokenLogprob | None]] = []
         row = 0
-        for proposal in proposals:
-            num_accepted = 0
-            while num_accepted < len(proposal) and pick_ids[row + num_accepted] == proposal[num_accepted]:
-                num_accepted += 1
-            accepted.append(proposal[:num_accepted])
-            tokens.append(pick_ids[row + num_accepted])
-            logprobs.append(row_logprobs[row : row + num_accepted + 1])
+        for proposal, gained in zip(proposals, accepted, strict=True):
+            logprobs.append(row_logprobs[row : row + len(gained) + 1])
             row += len(proposal) + 1
         return VerifyOutput(accepted, tokens, logprobs)
 
     def _verify_random(
-        self, logits: torch.Tensor, seqs: list[Sequence], rows: list[Sequence], greedy: torch.Tensor
+        self, probs: torch.Tensor, seqs: list[Sequence], rows: list[Sequence], greedy: torch.Tensor
     ) -> torch.Tensor:
         """The picks of `verify` with sampling rows: unseeded rows race global noise (each row independent);
         seeded rows draw from their generator one position at a time, up to the first mismatch."""
-        device = logits.device
+        device = probs.device
         generators = [
             self._generator(s, device) if s.params.seed is not None and not s.params.is_greedy else None for s in seqs
         ]
-        probs = self._probs(logits, rows)
         noise = torch.empty_like(probs).exponential_()
         is_greedy = torch.tensor([s.params.is_greedy for s in rows], device=device)
         picks = torch.where(is_greedy, greedy, (probs / noise).argmax(dim=-1))
@@ -139,6 +163,54 @@ class Sampler:
                         break
             row += len(proposal) + 1
         return picks
+
+    def _rejection_sample(
+        self, probs: torch.Tensor, seqs: list[Sequence], draft_probs: list[torch.Tensor | None]
+    ) -> dict[int, tuple[int, int | None]]:
+        """For each unseeded sampling sequence whose proposal came with its distribution q: (accepted count, new
+        token). Proposal j is accepted with probability min(1, p_j(d_j) / q_j(d_j)) (`u * q < p`, u ~ U[0, 1));
+        the first rejected position draws from max(0, p - q) normalised (from p itself in the measure-zero case
+        where that is all zero); a fully accepted proposal's token is None: the bonus row's own draw from p."""
+        result: dict[int, tuple[int, int | None]] = {}
+        row = 0
+        for i, (seq, q) in enumerate(zip(seqs, draft_probs, strict=True)):
+            proposal = seq.spec_token_ids
+            num = len(proposal)
+            if q is not None and num and not seq.params.is_greedy and seq.params.seed is None:
+                p = probs[row : row + num]
+                q = q[:num].to(p.device, p.dtype)
+                index = torch.tensor(proposal, device=p.device)[:, None]
+                p_d = p.gather(1, index).squeeze(1)
+                q_d = q.gather(1, index).squeeze(1)
+                rejected = (torch.rand(num, device=p.device) * q_d >= p_d).tolist()
+                num_accepted = rejected.index(True) if True in rejected else num
+                if num_accepted < num:
+                    residual = (p[num_accepted] - q[num_accepted]).clamp_min(0.0)
+                    if not float(residual.sum()) > 0.0:
+                        residual = p[num_accepted]
+                    noise = torch.empty_like(residual).exponential_()
+                    result[i] = (num_accepted, int((residual / noise).argmax()))
+                else:
+                    result[i] = (num, None)
+            row += num + 1
+        return result
+
+    @torch.inference_mode()
+    def propose(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor | None]:
+        """A draft model's picks from its logits [B, V] (one row per sequence) and the distribution q [B, V] they
+        were drawn from (None when no row samples). Greedy and seeded requests get the argmax: a deterministic
+        proposal, verified by accept-if-sampled, so a seeded request's output stays that of its seed. The others
+        draw from the processed distribution (logit_bias, temperature, top-k / top-p, min-p), from global noise."""
+        logits, _ = self._process(logits, seqs)
+        greedy = logits.argmax(dim=-1)
+        is_deterministic = [s.params.is_greedy or s.params.seed is not None for s in seqs]
+        if all(is_deterministic):
+            return greedy.tolist(), None
+        probs = self._probs(logits, seqs)
+        noise = torch.empty_like(probs).exponential_()
+        drawn = (probs / noise).argmax(dim=-1)
+        picks = torch.where(torch.tensor(is_deterministic, device=logits.device), greedy, drawn)
+        return picks.tolist(), probs
 
     def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """OpenAI `logit_bias`: each request's biases added to its row (-100 or 100 in effect ban or force)."""

@@ -1,15 +1,17 @@
 """Speculative decoding: a cheap proposer guesses a sequence's next tokens, one target forward pass scores them all.
 
 Each step, before scheduling, `Speculator.propose` sets `seq.spec_token_ids` on the running sequences that
-decode. The scheduler gives such a sequence `1 + len(spec_token_ids)` query positions (an "extend", like a chunk
-of prefill: the general attention path), the model runner returns the logits of every one of them, and
-`Sampler.verify` accepts the proposed tokens while the token the target picks at that position (its argmax, or a
-sample of its processed distribution) equals the proposal, then appends the target's own token there, so every
-step yields at least one token and the output is exactly what decoding without speculation would produce (greedy)
-or is distributed exactly like it (sampling: for a deterministic proposal, rejection sampling reduces to
-accept-if-sampled). `Scheduler.postprocess` appends the accepted tokens and rolls the KV back over the rejected
-ones (the block manager frees the blocks past the last computed token; only full, computed blocks get a
-prefix-cache hash).
+decode, from one batched call of the proposer: `NgramProposer` (prompt lookup) or `DraftProposer` (a draft model,
+`local_engine/draft.py`). The scheduler gives such a sequence `1 + len(spec_token_ids)` query positions (an
+"extend", like a chunk of prefill), the model runner returns the logits of every one of them, and `Sampler.verify`
+accepts the proposed tokens while the token the target picks at that position (its argmax, or a sample of its
+processed distribution) equals the proposal, then appends the target's own token there, so every step yields at
+least one token and the output is exactly what decoding without speculation would produce (greedy) or is
+distributed exactly like it (sampling: for a deterministic proposal, rejection sampling reduces to
+accept-if-sampled; a draft's sampled proposal comes with its distribution q and is verified by rejection sampling
+proper). `Scheduler.postprocess` appends the accepted tokens and rolls the KV back over the rejected ones (the
+block manager frees the blocks past the last computed token; only full, computed blocks get a prefix-cache hash);
+`Speculator.record` lets the proposer roll its own state back the same way.
 
 Proposal lengths adapt per sequence (`Speculator.record`): a fully accepted proposal lengthens the next one by one
 (up to `num_tokens`), a partly accepted one shortens it to what was accepted plus one; after `MAX_MISSES`
@@ -23,10 +25,13 @@ proposed position would depend on the proposals before it), and those still shor
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from local_engine.config import SpeculativeConfig
 from local_engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["MAX_MISSES", "PAUSE_STEPS", "NgramProposer", "Proposer", "Speculator", "build_speculator", "off_stats"]
 
@@ -34,13 +39,36 @@ MAX_MISSES = 3  # verifications in a row that accept nothing before a sequence p
 PAUSE_STEPS = 16  # steps a paused sequence decodes normally before it proposes again
 
 
-class Proposer(Protocol):
+class Proposer:
+    """What the speculator asks of a proposer. A stateless one implements `propose` alone; one that keeps state
+    per sequence (a draft model's KV cache) overrides the hooks, which do nothing here."""
+
     def propose(self, seq: Sequence, num_tokens: int) -> list[int]:
         """Up to `num_tokens` guesses of the tokens that follow `seq.token_ids` (none: decode normally)."""
-        ...
+        raise NotImplementedError
+
+    def propose_batch(self, seqs: list[Sequence], num_tokens: list[int]) -> list[list[int]]:
+        """`propose` for every sequence of this step at once."""
+        return [self.propose(seq, n) for seq, n in zip(seqs, num_tokens, strict=True)]
+
+    def proposal_probs(self, seq: Sequence) -> torch.Tensor | None:
+        """The distribution q [len(proposal), V] this step's proposal of `seq` was drawn from; None: deterministic."""
+        return None
+
+    def rollback(self, seq: Sequence) -> None:
+        """After `seq`'s verification: drop what the proposer computed for its rejected proposals."""
+
+    def forget(self, seq: Sequence) -> None:
+        """`seq` finished, was aborted or was preempted: release what the proposer holds for it."""
+
+    def reset(self) -> None:
+        """The engine forgot every request (`LLMEngine.reset`)."""
+
+    def stats(self) -> dict[str, float | int | str]:
+        return {}
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt lookup: the most recent earlier occurrence of the last `n` tokens (`n` from `max_n` down to
     `min_n`) in the sequence's prompt and output; proposes the tokens that followed it."""
 
@@ -89,29 +117,47 @@ class Speculator:
     def propose(self, running: list[Sequence], max_model_len: int) -> None:
         """Set this step's `spec_token_ids` on every running sequence (empty for those that decode normally)."""
         is_batch_small = len(running) <= self.config.max_num_seqs
+        seqs: list[Sequence] = []
+        lengths: list[int] = []
         for seq in running:
-            seq.spec_token_ids = self._proposal(seq, max_model_len) if is_batch_small else []
+            seq.spec_token_ids = []
+            num_tokens = self._proposal_length(seq, max_model_len) if is_batch_small else 0
+            if num_tokens > 0:
+                seqs.append(seq)
+                lengths.append(num_tokens)
+        if seqs:
+            for seq, proposal in zip(seqs, self.proposer.propose_batch(seqs, lengths), strict=True):
+                seq.spec_token_ids = proposal
 
-    def _proposal(self, seq: Sequence, max_model_len: int) -> list[int]:
+    def _proposal_length(self, seq: Sequence, max_model_len: int) -> int:
         if len(seq.token_ids) - seq.num_computed_tokens != 1:
-            return []  # still prefilling
+            return 0  # still prefilling
         params = seq.params
         if params.has_penalties or seq.num_output_tokens < params.min_tokens:
-            return []
+            return 0
         if seq.num_spec_paused_steps:
             seq.num_spec_paused_steps -= 1
-            return []
+            return 0
         if seq.num_spec_tokens < 0:
             seq.num_spec_tokens = self.config.num_tokens
         # The target's own token always follows the accepted ones: leave room for it.
         room = min(seq.max_tokens - seq.num_output_tokens, max_model_len - len(seq.token_ids)) - 1
-        num_tokens = min(seq.num_spec_tokens, room)
-        if num_tokens <= 0:
-            return []
-        return self.proposer.propose(seq, num_tokens)
+        return min(seq.num_spec_tokens, room)
+
+    def proposal_probs(self, seqs: list[Sequence]) -> list[torch.Tensor | None]:
+        """Per sequence, the distribution its proposal was drawn from (`Sampler.verify`'s `draft_probs`)."""
+        return [self.proposer.proposal_probs(seq) for seq in seqs]
+
+    def forget(self, seq: Sequence) -> None:
+        self.proposer.forget(seq)
+
+    def reset(self) -> None:
+        self.proposer.reset()
 
     def record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
-        """Count one verification of `seq` and adapt its next proposal length."""
+        """Count one verification of `seq`, adapt its next proposal length, and let the proposer drop what it
+        computed for the rejected tokens."""
+        self.proposer.rollback(seq)
         seq.num_spec_proposed += num_proposed
         seq.num_spec_accepted += num_accepted
         self.num_proposed_tokens += num_proposed
@@ -142,6 +188,7 @@ class Speculator:
                 if self.num_verified_seqs
                 else 0.0
             ),
+            **self.proposer.stats(),
         }
 
 
@@ -150,7 +197,12 @@ def off_stats() -> dict[str, float | int | str]:
     return Speculator(SpeculativeConfig(), NgramProposer(1, 1)).stats()
 
 
-def build_speculator(config: SpeculativeConfig) -> Speculator | None:
+def build_speculator(config: SpeculativeConfig, draft: Proposer | None = None) -> Speculator | None:
+    """The speculator `config` asks for; `method: draft` needs the engine's `draft` (`DraftProposer.build`)."""
     if config.method == "off":
         return None
+    if config.method == "draft":
+        if draft is None:
+            raise ValueError("speculative method `draft` needs the draft proposer (local_engine/draft.py)")
+        return Speculator(config, draft)
     return Speculator(config, NgramProposer(config.ngram_min, config.ngram_max))

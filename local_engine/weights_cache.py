@@ -1,16 +1,20 @@
-"""A disk cache of converted checkpoints, so a GGUF is dequantized once rather than at every start.
+"""A disk cache of converted checkpoints, so a GGUF is dequantized, and a checkpoint quantized, once rather than at
+every start.
 
     <cache_dir>/<key>/config.json
-                     /model.safetensors           float32, HF parameter names
+                     /model.safetensors           float32, HF parameter names; a quantized variant holds each
+                                                  projection as `X.qweight` / `X.scales` / `X.mins` instead
+                                                  (`local_engine/quantization.py`)
                      /gguf_blocks.safetensors     the file's Q4_1 / Q8_0 tensors as stored (uint8, HF names;
                                                   the metadata names each one's type): the decode panels' source
                      /tokenizer.json, tokenizer_config.json, chat_template.jinja
-                     /unigate-cache.json          written last: what the entry was converted from
+                     /unigate-cache.json          written last: what the entry was converted from, and the variant
 
-`key` hashes the source's resolved path, size and mtime plus the conversion's format version, so an edited or
-replaced file, or a loader that converts differently, gets a fresh entry. An entry is written into a temporary
-directory beside it and renamed into place: a reader sees a complete entry or none, also when two processes
-convert the same file at once.
+`key` hashes the source's resolved path, size and mtime (a directory: those of its config and weight files), the
+conversion's format version and the variant (`""` for the plain conversion of a GGUF, `int8` or `int4-g32` for a
+quantized checkpoint, GGUF or HF directory), so an edited or replaced file, a loader that converts differently or
+another quantization gets a fresh entry. An entry is written into a temporary directory beside it and renamed into
+place: a reader sees a complete entry or none, also when two processes convert the same file at once.
 """
 
 from __future__ import annotations
@@ -42,12 +46,22 @@ WEIGHTS_FILE = "model.safetensors"
 BLOCKS_FILE = "gguf_blocks.safetensors"
 
 
-def cache_key(source: Path) -> str:
-    """A stable name for `source` as it is now: resolved path, size, mtime and the format version."""
+def cache_key(source: Path, variant: str = "") -> str:
+    """A stable name for `source` as it is now (and `variant`): resolved path, size, mtime, the format version."""
     resolved = source.resolve()
-    stat = resolved.stat()
-    identity = f"{resolved}\0{stat.st_size}\0{stat.st_mtime_ns}\0v{CACHE_FORMAT_VERSION}"
+    identity = f"{resolved}\0{_stat_identity(resolved)}\0v{CACHE_FORMAT_VERSION}"
+    if variant:
+        identity += f"\0{variant}"
     return hashlib.sha256(identity.encode()).hexdigest()[:32]
+
+
+def _stat_identity(path: Path) -> str:
+    """Size and mtime of a file; of a directory, those of its config and weight files (what a load reads)."""
+    if not path.is_dir():
+        stat = path.stat()
+        return f"{stat.st_size}\0{stat.st_mtime_ns}"
+    files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".safetensors") and p.is_file())
+    return "\0".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
 
 
 class WeightsCache:
@@ -56,12 +70,12 @@ class WeightsCache:
     def __init__(self, cache_dir: Path) -> None:
         self.cache_dir = cache_dir
 
-    def entry_dir(self, source: Path) -> Path:
-        return self.cache_dir / cache_key(source)
+    def entry_dir(self, source: Path, variant: str = "") -> Path:
+        return self.cache_dir / cache_key(source, variant)
 
-    def lookup(self, source: Path) -> Path | None:
-        """The complete entry for `source` as it is now, or None."""
-        entry = self.entry_dir(source)
+    def lookup(self, source: Path, variant: str = "") -> Path | None:
+        """The complete entry for `source` as it is now (and `variant`), or None."""
+        entry = self.entry_dir(source, variant)
         return entry if (entry / MARKER_FILE).is_file() else None
 
     def store(
@@ -71,12 +85,13 @@ class WeightsCache:
         state_dict: dict[str, torch.Tensor],
         tokenizer: Tokenizer,
         blocks: dict[str, tuple[str, np.ndarray]] | None = None,
+        variant: str = "",
     ) -> Path:
-        """Write an entry for `source` atomically and return its directory."""
+        """Write an entry for `source` (and `variant`) atomically and return its directory."""
         from safetensors.numpy import save_file as save_arrays
         from safetensors.torch import save_file
 
-        entry = self.entry_dir(source)
+        entry = self.entry_dir(source, variant)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=self.cache_dir))
         try:
@@ -86,21 +101,21 @@ class WeightsCache:
                 arrays = {name: np.ascontiguousarray(raw) for name, (_, raw) in blocks.items()}
                 save_arrays(arrays, staging / BLOCKS_FILE, metadata={name: kind for name, (kind, _) in blocks.items()})
             tokenizer.save_pretrained(staging)
-            marker = {"source": str(source.resolve()), "format_version": CACHE_FORMAT_VERSION}
+            marker = {"source": str(source.resolve()), "format_version": CACHE_FORMAT_VERSION, "variant": variant}
             (staging / MARKER_FILE).write_text(json.dumps(marker))
             _fsync_tree(staging)
             staging.chmod(0o755)  # mkdtemp makes it private; the entry should read like any other directory
-            if entry.exists() and self.lookup(source) is None:
+            if entry.exists() and self.lookup(source, variant) is None:
                 # Not ours and not complete (no marker): nothing can be reading it as an entry.
                 shutil.rmtree(entry, ignore_errors=True)
             os.rename(staging, entry)
         except OSError:
             shutil.rmtree(staging, ignore_errors=True)
-            if self.lookup(source) is None:
+            if self.lookup(source, variant) is None:
                 raise
             # Another process finished the same entry first; theirs is as good as ours.
             return entry
-        self._remove_stale_entries(source, keep=entry)
+        self._remove_stale_entries(source, variant, keep=entry)
         return entry
 
     @staticmethod
@@ -120,17 +135,17 @@ class WeightsCache:
         logger.warning("removing unreadable weights cache entry %s", entry)
         shutil.rmtree(entry, ignore_errors=True)
 
-    def _remove_stale_entries(self, source: Path, keep: Path) -> None:
-        """Entries of earlier versions of the same source file only take disk space."""
+    def _remove_stale_entries(self, source: Path, variant: str, keep: Path) -> None:
+        """Entries of earlier versions of the same source file (and variant) only take disk space."""
         resolved = str(source.resolve())
         for marker in self.cache_dir.glob(f"*/{MARKER_FILE}"):
             if marker.parent == keep:
                 continue
             try:
-                converted_from = json.loads(marker.read_text()).get("source")
+                written = json.loads(marker.read_text())
             except (OSError, ValueError):
                 continue
-            if converted_from == resolved:
+            if written.get("source") == resolved and written.get("variant", "") == variant:
                 logger.info("removing stale weights cache entry %s", marker.parent)
                 shutil.rmtree(marker.parent, ignore_errors=True)
 

@@ -91,3 +91,22 @@ def test_engine_throughput_alternates_rounds_against_transformers() -> None:
     assert len(ratios) == 2 and all(line.rstrip().endswith("x") for line in ratios)
     assert "throughput vs median of 2 rounds:" in out
     assert "transformers    TTFT" in out
+
+
+def test_quantization_benchmark_prints_the_table() -> None:
+    # The baseline row and one row with both settings (quantized weights, int8 KV) at the tiniest sizes; one
+    # thread, as a loaded 2-core host runs it fastest.
+    args = ("--smoke", "--threads", "1", "--weights", "float32,int4", "--kv", "model,int8")
+    out = run("benchmarks/quantization.py", *args)
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| weights")]
+    assert [row.split("|")[1].strip() for row in rows] == [
+        "float32 / KV model",
+        "float32 / KV int8",
+        "int4 / KV model",
+        "int4 / KV int8",
+    ]
+    cells = [[cell.strip() for cell in row.split("|")[2:-1]] for row in rows]
+    assert all(len(row) == 9 for row in cells), cells  # every column measured, no row left out
+    assert cells[0][4] == "+0.00%" and cells[0][5] == "4.0 / 4"  # float32 against itself
+    kv_bytes = [int(row[1]) for row in cells]
+    assert kv_bytes[1] * 3 < kv_bytes[0]  # int8 KV: 1 byte per element (+ scales) against 4

@@ -20,7 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from local_engine.kernels.launch import check_last_dim_contiguous, check_paged_attention, kernel_for, pow2_at_least
+from local_engine.kernels.launch import (
+    check_kv_scales,
+    check_last_dim_contiguous,
+    check_paged_attention,
+    kernel_for,
+    pow2_at_least,
+)
 
 __all__ = ["choose_num_splits", "paged_decode_attention"]
 
@@ -35,6 +41,8 @@ def _decode_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     context_lens_ptr,
     out_ptr,
@@ -45,6 +53,7 @@ def _decode_attention_kernel(
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
+    stride_scale_block,
     stride_bt,
     stride_ob,
     stride_oh,
@@ -55,6 +64,7 @@ def _decode_attention_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    IS_INT8: tl.constexpr,
     IS_SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -102,6 +112,10 @@ def _decode_attention_kernel(
         )
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IS_INT8:  # each key times its block's scale for this KV head
+            scale_offs = block_id.to(tl.int64) * stride_scale_block + kv_head
+            k = k.to(tl.float32) * tl.load(k_scale_ptr + scale_offs, mask=mask_n, other=0.0)[:, None]
+        k = k.to(q.dtype)  # a cache in another float dtype is read as q's
         scores = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_H, BLOCK_N], float32
         scores = tl.where(mask_n[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -109,6 +123,9 @@ def _decode_attention_kernel(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IS_INT8:
+            v = v.to(tl.float32) * tl.load(v_scale_ptr + scale_offs, mask=mask_n, other=0.0)[:, None]
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
@@ -184,6 +201,8 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     max_context_len: int | None = None,
     num_splits: int | None = None,
@@ -192,7 +211,8 @@ def paged_decode_attention(
 
     `block_tables[b, i]` is the cache block holding tokens `i*block_size ...` of sequence `b`; entries past the
     context are never read. `context_lens[b]` counts the tokens to attend to (the new token's KV included, already
-    written by `store_kv`). Returns `[B, H, D]` in q's dtype.
+    written by `store_kv`). Returns `[B, H, D]` in q's dtype. The cache may hold another float dtype (read as q's)
+    or int8 with `k_scale` / `v_scale` [num_blocks, num_kv_heads] (each K/V tile dequantized as it is loaded).
 
     `max_context_len` (a host-side upper bound on `context_lens`, default `block_tables.shape[1] * block_size`) and
     `num_splits` (default chosen from it) only tune speed. Tolerance vs the float32 reference: ~1e-5 in float32 in
@@ -202,6 +222,7 @@ def paged_decode_attention(
     name = "paged_decode_attention"
     num_seqs = q.shape[0]
     num_heads, num_kv_heads, block_size = check_paged_attention(name, q, k_cache, v_cache, block_tables, num_seqs)
+    is_int8 = check_kv_scales(name, k_cache, k_scale, v_scale)
     assert context_lens.dtype == torch.int32 and context_lens.shape == (num_seqs,), (
         f"{name}: context_lens must be int32 [num_seqs={num_seqs}], got {context_lens.dtype} "
         f"{tuple(context_lens.shape)}"
@@ -234,6 +255,8 @@ def paged_decode_attention(
         q,
         k_cache,
         v_cache,
+        k_cache if k_scale is None else k_scale,  # any pointer when the cache is not int8: never read then
+        v_cache if v_scale is None else v_scale,
         block_tables,
         context_lens,
         partial,
@@ -244,6 +267,7 @@ def paged_decode_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        num_kv_heads,
         block_tables.stride(0),
         *partial_strides,
         *lse_strides,
@@ -251,6 +275,7 @@ def paged_decode_attention(
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
+        IS_INT8=is_int8,
         IS_SPLIT=num_splits > 1,
         # tl.dot needs at least 16 rows; the padding rows load zeros and are never stored.
         BLOCK_H=pow2_at_least(group, 16),

@@ -129,6 +129,24 @@ def check_kv_cache(name: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> t
     return num_blocks, block_size, num_kv_heads, head_dim
 
 
+def check_kv_scales(
+    name: str, k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> bool:
+    """Assert that an int8 cache comes with float32 scales [num_blocks, num_kv_heads] (contiguous) and a float one
+    with none; return whether the cache is int8."""
+    is_int8 = k_cache.dtype == torch.int8
+    if not is_int8:
+        assert k_scale is None and v_scale is None, f"{name}: a {k_cache.dtype} KV cache takes no scales"
+        return False
+    shape = (k_cache.shape[0], k_cache.shape[2])
+    for arg, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        assert t is not None, f"{name}: an int8 KV cache needs {arg}"
+        assert t.dtype == torch.float32 and t.shape == shape and t.is_contiguous(), (
+            f"{name}: {arg} must be a contiguous float32 {shape}, got {t.dtype} {tuple(t.shape)}"
+        )
+    return True
+
+
 def check_paged_attention(
     name: str,
     q: torch.Tensor,
@@ -137,7 +155,8 @@ def check_paged_attention(
     block_tables: torch.Tensor,
     num_seqs: int,
 ) -> tuple[int, int, int]:
-    """Assert the arguments both paged attention launchers share; return `(num_heads, num_kv_heads, block_size)`."""
+    """Assert the arguments both paged attention launchers share; return `(num_heads, num_kv_heads, block_size)`.
+    The cache may hold another float dtype than q (read as q's) or int8 (`check_kv_scales`)."""
     _, block_size, num_kv_heads, head_dim = check_kv_cache(name, k_cache, v_cache)
     assert q.dim() == 3 and q.shape[2] == head_dim, (
         f"{name}: q must be [tokens, num_heads, {head_dim}] to match the cache head_dim, got {tuple(q.shape)}"
@@ -146,8 +165,9 @@ def check_paged_attention(
     assert num_heads % num_kv_heads == 0, (
         f"{name}: num_heads ({num_heads}) must be a multiple of the cache's num_kv_heads ({num_kv_heads})"
     )
-    assert q.dtype == k_cache.dtype, f"{name}: q is {q.dtype} but the KV cache is {k_cache.dtype}; they must match"
-    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"{name}: unsupported dtype {q.dtype}"
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    assert q.dtype in floats, f"{name}: unsupported dtype {q.dtype}"
+    assert k_cache.dtype in (*floats, torch.int8), f"{name}: unsupported KV cache dtype {k_cache.dtype}"
     assert 16 <= head_dim <= 256, f"{name}: head_dim must be in [16, 256], got {head_dim}"
     check_last_dim_contiguous(name, "q", q)
     assert block_tables.dtype == torch.int32, f"{name}: block_tables must be int32, got {block_tables.dtype}"

@@ -17,7 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from local_engine.kernels.launch import check_last_dim_contiguous, check_paged_attention, kernel_for, pow2_at_least
+from local_engine.kernels.launch import (
+    check_kv_scales,
+    check_last_dim_contiguous,
+    check_paged_attention,
+    kernel_for,
+    pow2_at_least,
+)
 
 __all__ = ["paged_prefill_attention"]
 
@@ -30,6 +36,8 @@ def _prefill_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     cu_seqlens_q_ptr,
     context_lens_ptr,
@@ -40,12 +48,14 @@ def _prefill_attention_kernel(
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
+    stride_scale_block,
     stride_bt,
     stride_ot,
     stride_oh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    IS_INT8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -93,6 +103,10 @@ def _prefill_attention_kernel(
         )
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IS_INT8:  # each key times its block's scale for this KV head
+            scale_offs = block_id.to(tl.int64) * stride_scale_block + kv_head
+            k = k.to(tl.float32) * tl.load(k_scale_ptr + scale_offs, mask=mask_n, other=0.0)[:, None]
+        k = k.to(q.dtype)  # a cache in another float dtype is read as q's
         scores = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N], float32
         is_visible = (k_pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
         scores = tl.where(is_visible, scores, float("-inf"))
@@ -101,6 +115,9 @@ def _prefill_attention_kernel(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IS_INT8:
+            v = v.to(tl.float32) * tl.load(v_scale_ptr + scale_offs, mask=mask_n, other=0.0)[:, None]
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
@@ -121,14 +138,16 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     max_seqlen_q: int,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the packed new tokens `q` `[T, H, D]` over their sequences' paged KV.
 
     `cu_seqlens_q` (int32 `[S+1]`, `cu[0] == 0`, `cu[S] == T`) delimits each sequence's rows; `context_lens`
     (int32 `[S]`) counts each sequence's tokens including the new ones, so `q_len_s <= context_len_s` must hold.
     `max_seqlen_q` is a host-side upper bound on `q_len_s` (it sizes the grid; no device read). Returns `[T, H, D]`
-    in q's dtype. Tolerance vs the float32 reference: ~1e-5 in float32 in the interpreter; on GPU ~1e-2 absolute
-    in bfloat16 and ~1e-3 in float32 (tf32 tensor cores).
+    in q's dtype; the cache as in `paged_decode_attention`. Tolerance vs the float32 reference: ~1e-5 in float32
+    in the interpreter; on GPU ~1e-2 absolute in bfloat16 and ~1e-3 in float32 (tf32 tensor cores).
     """
     name = "paged_prefill_attention"
     assert context_lens.dtype == torch.int32 and context_lens.dim() == 1, (
@@ -136,6 +155,7 @@ def paged_prefill_attention(
     )
     num_seqs = context_lens.shape[0]
     num_heads, num_kv_heads, block_size = check_paged_attention(name, q, k_cache, v_cache, block_tables, num_seqs)
+    is_int8 = check_kv_scales(name, k_cache, k_scale, v_scale)
     check_last_dim_contiguous(name, "context_lens", context_lens)
     assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.shape == (num_seqs + 1,), (
         f"{name}: cu_seqlens_q must be int32 [num_seqs+1={num_seqs + 1}], got {cu_seqlens_q.dtype} "
@@ -153,6 +173,8 @@ def paged_prefill_attention(
         q,
         k_cache,
         v_cache,
+        k_cache if k_scale is None else k_scale,  # any pointer when the cache is not int8: never read then
+        v_cache if v_scale is None else v_scale,
         block_tables,
         cu_seqlens_q,
         context_lens,
@@ -163,12 +185,14 @@ def paged_prefill_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        num_kv_heads,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
+        IS_INT8=is_int8,
         BLOCK_M=_BLOCK_M,
         BLOCK_N=_BLOCK_N,
         BLOCK_D=pow2_at_least(head_dim, 16),

@@ -37,18 +37,29 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.ops = ops
-        # Views into the engine's one KV tensor, set by the model runner once the cache is allocated.
+        # Views into the engine's one KV tensor, set by the model runner once the cache is allocated; with an int8
+        # cache, also views into its scales [num_blocks, KVH] (None for a float cache).
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
         ops = self.ops
-        ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        k_scale, v_scale = self.k_scale, self.v_scale
+        ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, k_scale, v_scale)
         num_decode = meta.num_decode_tokens
         if num_decode == q.shape[0]:
             return ops.paged_decode_attention(
-                q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+                q,
+                self.k_cache,
+                self.v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.scale,
+                k_scale,
+                v_scale,
             )
         prefill = ops.paged_prefill_attention(
             q[num_decode:],
@@ -59,10 +70,19 @@ class Attention(nn.Module):
             meta.prefill_context_lens,
             meta.prefill_max_seqlen_q,
             self.scale,
+            k_scale,
+            v_scale,
         )
         if num_decode == 0:
             return prefill
         decode = ops.paged_decode_attention(
-            q[:num_decode], self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+            q[:num_decode],
+            self.k_cache,
+            self.v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            self.scale,
+            k_scale,
+            v_scale,
         )
         return torch.cat((decode, prefill), dim=0)

@@ -17,7 +17,11 @@ __all__ = ["Ops", "select_ops"]
 
 class Ops(Protocol):
     """The operations the model calls, identical in signature across implementations. KV cache layout per layer:
-    `[num_blocks, block_size, num_kv_heads, head_dim]`; a slot is `block_id * block_size + offset`."""
+    `[num_blocks, block_size, num_kv_heads, head_dim]`; a slot is `block_id * block_size + offset`.
+
+    The cache holds the model dtype, bfloat16/float16 (read as the query's dtype), or int8 with a float32 scale per
+    (block, KV head) in `k_scale` / `v_scale` `[num_blocks, num_kv_heads]` (None for a float cache): an element
+    reads as `q * scale`. `store_kv` keeps those scales valid (`kernels/reference.py` states the rule)."""
 
     # The implementing module's name: the engine reports its last part ("torch_ops", "cpu_ops" or "kernels").
     __name__: str
@@ -29,6 +33,8 @@ class Ops(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         """Write k, v [T, KVH, D] into their cache slots; slot -1 skips the token."""
         ...
@@ -41,6 +47,8 @@ class Ops(Protocol):
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One query token per sequence over its whole context: q [B, H, D] -> [B, H, D]."""
         ...
@@ -55,6 +63,8 @@ class Ops(Protocol):
         context_lens: torch.Tensor,
         max_seqlen_q: int,
         scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Packed variable-length causal prefill over the paged cache: q [T, H, D] -> [T, H, D]."""
         ...

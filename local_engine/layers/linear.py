@@ -30,6 +30,11 @@ the lead shrinks and changes hands from run to run on this noisy machine).
 
 The panels cost the projections' bytes a second time (the oneDNN copy replaces the parameter); the engine counts
 them in its weights memory.
+
+A weight-only quantized projection (`EngineConfig.quantization`, `local_engine/quantization.py`) is a
+`QuantizedLinear`: on CPU only its block panels (the GGUF formats above), read by the native kernel at every size;
+on a GPU the Triton dequantizing matmul; no float copy anywhere (`attach_quantized_linears` swaps it in before the
+model's weights are allocated).
 """
 
 from __future__ import annotations
@@ -40,12 +45,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from local_engine import quantization
 from local_engine.kernels import cpu as cpu_kernels
+from local_engine.quantization import QuantizedWeight
 
 __all__ = [
     "NATIVE_MAX_ROWS",
     "PackedLinear",
+    "QuantizedLinear",
     "attach_block_panels",
+    "attach_quantized_linears",
     "can_pack",
     "is_packing_available",
     "pack_linears",
@@ -112,9 +121,10 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module, native_max_rows: int = 0) -> int:
     """Swap every `nn.Linear` in `model` (CPU, float32 or bfloat16: see `can_pack`) for a `PackedLinear`, each
-    keeping the native kernel's panels too for calls of up to `native_max_rows` rows (0: never); returns how many.
+    keeping the native kernel's panels too for calls of up to `native_max_rows` rows (0: never); returns how many
+    projections are now packed, counting quantized ones already in the native kernel's panels (`QuantizedLinear`).
     Tied weights stay shared where they are still used elsewhere (an embedding keeps its own tensor)."""
-    swapped = 0
+    swapped = sum(1 for m in model.modules() if isinstance(m, QuantizedLinear) and m.panels is not None)
     elsewhere = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -143,7 +153,7 @@ def attach_block_panels(
         shards.setdefault(fused, []).append(fragment)
     counts: dict[str, int] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, PackedLinear) or module.panels is None:
+        if not isinstance(module, PackedLinear) or isinstance(module, QuantizedLinear) or module.panels is None:
             continue
         parent, _, leaf = name.rpartition(".")
         prefix = f"{parent}." if parent else ""
@@ -163,3 +173,101 @@ def attach_block_panels(
         module.panels, module.weight_format = panels, weight_format
         counts[kind] = counts.get(kind, 0) + 1
     return counts
+
+
+class QuantizedLinear(PackedLinear):
+    """A projection on weight-only quantized weights (`local_engine/quantization.py`), never a float copy of them:
+
+    - CPU with the native kernels (float32 activations): the weight lives only in the native kernel's block panels
+      (int8 as Q8_0, int4 as Q4_1: `quantization.to_gguf_blocks`), and every call, prefill included, goes to
+      `cpu_kernels.linear`, which dequantizes a chunk at a time in L1. As a `PackedLinear` with panels, the fused
+      native decode step (`cpu_decode.py`) takes it like a GGUF file's blocks.
+    - CUDA: the Triton dequantizing matmul (`kernels/quant_matmul.py`, w8a16 / w4a16).
+    - Otherwise: the torch reference, dequantizing this one weight to x's dtype per call, then `F.linear`.
+
+    `bias` is a parameter (the model's dtype, loaded by `load_weights` like any other); the quantized tensors are
+    plain attributes, so `.to()`, `to_empty()` and `state_dict()` leave them alone."""
+
+    def __init__(self, weight: QuantizedWeight, has_bias: bool, device: torch.device, use_cpu_kernels: bool) -> None:
+        nn.Module.__init__(self)
+        self.in_features = weight.num_in
+        self.out_features = weight.num_out
+        self.method = weight.method
+        self.bias = nn.Parameter(torch.empty(weight.num_out), requires_grad=False) if has_bias else None
+        self.packed_weight = None
+        self.panels: torch.Tensor | None = None
+        self.weight_format = cpu_kernels.WEIGHTS_F32
+        self.native_max_rows = 0
+        self.quantized: QuantizedWeight | None = None
+        blocks = quantization.to_gguf_blocks(weight) if device.type == "cpu" and use_cpu_kernels else None
+        if blocks is not None:
+            weight_format = cpu_kernels.BLOCK_FORMATS[blocks[0]]
+            self.panels = cpu_kernels.pack_block_weight(blocks[1], weight_format, weight.num_in)
+            if self.panels is not None:
+                self.weight_format, self.native_max_rows = weight_format, NATIVE_MAX_ROWS
+        if self.panels is None:
+            self.quantized = weight.to(device)
+        self.num_bytes = self.panels.numel() if self.panels is not None else weight.num_bytes  # uint8 panels
+        self.extra_bytes = self.num_bytes  # none of it is a parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias
+        if self.panels is not None:
+            rows = x.reshape(-1, self.in_features)
+            if rows.dtype != torch.float32 or rows.stride(1) != 1:
+                rows = rows.to(torch.float32).contiguous()
+            out = cpu_kernels.linear(rows, self.panels, self.out_features, bias, self.weight_format)
+            assert out is not None, "the native kernel refused a projection it packed"
+            return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        weight = self.quantized
+        assert weight is not None
+        if x.device.type == "cuda":
+            from local_engine.kernels.quant_matmul import quant_matmul
+
+            rows = x.reshape(-1, self.in_features)
+            out = quant_matmul(rows, weight.qweight, weight.scales, weight.mins, weight.num_in, weight.group_size, bias)
+            return out.view(*x.shape[:-1], self.out_features)
+        return quantization.reference_linear(x, weight, bias)
+
+    def extra_repr(self) -> str:
+        where = "cpu panels" if self.quantized is None else str(self.quantized.qweight.device)
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.method}, {where}"
+
+
+def attach_quantized_linears(
+    model: nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    packed_modules: Mapping[str, tuple[str, int]],
+    device: torch.device,
+    group_size: int,
+    use_cpu_kernels: bool,
+) -> dict[str, torch.Tensor]:
+    """Swap each `nn.Linear` of `model` whose checkpoint weights come quantized (`quantization.quantize_state_dict`
+    names: `X.qweight`, `X.scales`, `X.mins`; int4 in groups of `group_size`) for a `QuantizedLinear` on `device`
+    (with `use_cpu_kernels`, on CPU: in the native kernel's block panels), the shards of a fused
+    projection (`packed_modules`: checkpoint fragment -> (fused module fragment, shard index)) stacked in order.
+    Call it on the model still on the meta device, before `to_empty`: a quantized projection never gets a float
+    weight. Returns the rest of the state dict (for `load_weights`; biases included)."""
+    plain, weights = quantization.split_quantized(state_dict, group_size)
+    if not weights:
+        return state_dict
+    fused: dict[str, list[tuple[int, QuantizedWeight]]] = {}
+    for name, weight in weights.items():
+        parent, _, leaf = name.rpartition(".")
+        target, shard = packed_modules.get(leaf, (leaf, 0))
+        fused.setdefault(f"{parent}.{target}" if parent else target, []).append((shard, weight))
+    modules = dict(model.named_modules())
+    for name, shards in fused.items():
+        linear = modules.get(name)
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"quantized checkpoint tensors for {name!r}, which is not a projection of this model")
+        weight = QuantizedWeight.cat([w for _, w in sorted(shards, key=lambda item: item[0])])
+        if (weight.num_out, weight.num_in) != (linear.out_features, linear.in_features):
+            raise ValueError(
+                f"{name}: quantized checkpoint shape {(weight.num_out, weight.num_in)} != model "
+                f"{(linear.out_features, linear.in_features)}"
+            )
+        parent, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, leaf, QuantizedLinear(weight, linear.bias is not None, device, use_cpu_kernels))
+    return plain

@@ -30,6 +30,14 @@ def test_a_local_deployment_speculates_as_its_routing_entry_says(tmp_path: Path)
     assert config.engine.speculative.ngram_max == 3  # unset fields keep their defaults
 
 
+def test_a_local_deployment_names_its_draft_model(tmp_path: Path) -> None:
+    fields = {"method": "draft", "draft_model_path": "/models/draft", "draft_dtype": "bfloat16", "draft_num_layers": 8}
+    config = local_config(deployment(type="local", speculative=fields), settings(tmp_path))
+    speculative = config.engine.speculative
+    assert (speculative.method, speculative.draft_model_path) == ("draft", "/models/draft")
+    assert (speculative.draft_dtype, speculative.draft_num_layers) == ("bfloat16", 8)
+
+
 def test_without_an_entry_the_engine_settings_decide(tmp_path: Path) -> None:
     engine = {"speculative": {"method": "ngram", "num_tokens": 6}, "block_size": 32}
     config = local_config(deployment(type="local"), settings(tmp_path, **engine))
@@ -47,7 +55,9 @@ def test_without_an_entry_the_engine_settings_decide(tmp_path: Path) -> None:
             {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "speculative": {"method": "ngram"}},
             "`speculative` applies to `type: local` deployments only",
         ),
-        ({"type": "local", "speculative": {"method": "draft"}}, "speculative.method"),
+        ({"type": "local", "speculative": {"method": "medusa"}}, "speculative.method"),
+        ({"type": "local", "speculative": {"method": "draft"}}, "make that copy cheaper with draft_dtype"),
+        ({"type": "local", "speculative": {"draft_dtype": "int4"}}, "speculative.draft_dtype"),
         ({"type": "local", "speculative": {"num_tokens": 0}}, "speculative.num_tokens"),
         ({"type": "local", "speculative": {"ngram_min": 3, "ngram_max": 2}}, "ngram_min (3) must be <= ngram_max (2)"),
         ({"type": "local", "speculative": {"methd": "ngram"}}, "speculative.methd"),
@@ -55,4 +65,36 @@ def test_without_an_entry_the_engine_settings_decide(tmp_path: Path) -> None:
 )
 def test_a_wrong_speculative_entry_is_a_routing_error(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(RoutingConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        deployment(**fields)
+
+
+def test_a_local_deployment_quantizes_as_its_routing_entry_says(tmp_path: Path) -> None:
+    entry = deployment(type="local", quantization="int4", quantization_group_size=64)
+    config = local_config(entry, settings(tmp_path, block_size=32))
+    assert (config.engine.quantization, config.engine.quantization_group_size) == ("int4", 64)
+    assert config.engine.block_size == 32  # only the quantization is the deployment's
+    inherited = local_config(deployment(type="local"), settings(tmp_path, quantization="int8"))
+    assert (inherited.engine.quantization, inherited.engine.quantization_group_size) == ("int8", 32)
+    only_method = local_config(deployment(type="local", quantization="none"), settings(tmp_path, quantization="int8"))
+    assert only_method.engine.quantization == "none"
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "quantization": "int8"},
+            "`quantization` applies to `type: local` deployments only",
+        ),
+        (
+            {"type": "anthropic", "base_url": "http://127.0.0.1:9/v1", "quantization_group_size": 64},
+            "`quantization_group_size` applies to `type: local` deployments only",
+        ),
+        ({"type": "local", "quantization": "int2"}, "quantization"),
+        ({"type": "local", "quantization": "int4", "quantization_group_size": 48}, "quantization_group_size"),
+        ({"type": "local", "quantization_group_size": 0}, "quantization_group_size"),
+    ],
+)
+def test_a_wrong_quantization_entry_is_a_routing_error(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(RoutingConfigError, match=message):
         deployment(**fields)

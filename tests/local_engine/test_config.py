@@ -72,3 +72,13 @@ def test_auto_values_resolve_without_being_stored() -> None:
     assert config.device == "auto" and config.dtype == "auto" and config.max_model_len == 4096
     assert config.cpu_kv_cache_memory == 512 * 2**20  # the CPU default budget, not a setting
     assert "cpu_kv_cache_memory" not in EngineConfig.model_fields
+
+
+def test_kv_cache_dtype_is_a_closed_choice_resolved_against_the_model_dtype() -> None:
+    with pytest.raises(ValidationError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="int4")  # type: ignore[arg-type]
+    assert EngineConfig().resolved_kv_cache_dtype("bfloat16") == "bfloat16"  # auto: the model dtype
+    assert EngineConfig(kv_cache_dtype="int8").resolved_kv_cache_dtype("float32") == "int8"
+    model = ModelConfig.from_hf_config(TINY)  # 1 layer, 2 KV heads, head dim 8
+    assert model.kv_bytes_per_token("int8") == 2 * 1 * 2 * 8 and model.kv_scale_bytes_per_block("int8") == 2 * 2 * 4
+    assert model.kv_scale_bytes_per_block("bfloat16") == 0

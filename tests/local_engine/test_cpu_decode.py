@@ -36,20 +36,26 @@ def _decode_batch(model: TinyModel, prompt_lens: list[int], **overrides: Any) ->
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("prompt_lens", [[7], [5, 40, 17], [33, 1, 64, 9, 120, 2, 48, 15]])
-def test_hidden_states_and_kv_writes_equal_the_op_by_op_forward(family: TinyModel, prompt_lens: list[int]) -> None:
-    engine, (input_ids, positions, meta) = _decode_batch(family, prompt_lens)
+def test_hidden_states_and_kv_writes_equal_the_op_by_op_forward(
+    family: TinyModel, prompt_lens: list[int], kv_cache_dtype: str
+) -> None:
+    """An int8 cache too: the same quantized bytes and scales (the C write is shared), the same attention."""
+    engine, (input_ids, positions, meta) = _decode_batch(family, prompt_lens, kv_cache_dtype=kv_cache_dtype)
     runner = engine.runner
     assert runner.cpu_decoder is not None and runner.cpu_decoder.can_run(meta, len(prompt_lens))
-    before = runner.kv_cache.clone()
+    state = [runner.kv_cache] if runner.kv_scales is None else [runner.kv_cache, runner.kv_scales]
+    before = [t.clone() for t in state]
     with torch.inference_mode():
         expected = runner.model(input_ids, positions, meta)
-    expected_kv = runner.kv_cache.clone()
-    assert not torch.equal(expected_kv, before)  # the step wrote its tokens' K and V
-    runner.kv_cache.copy_(before)
+    expected_state = [t.clone() for t in state]
+    assert not torch.equal(expected_state[0], before[0])  # the step wrote its tokens' K and V
+    for t, old in zip(state, before, strict=True):
+        t.copy_(old)
     got = runner.cpu_decoder.run(input_ids, positions, meta)
     assert torch.equal(got, expected)
-    assert torch.equal(runner.kv_cache, expected_kv)
+    assert all(torch.equal(t, e) for t, e in zip(state, expected_state, strict=True))
 
 
 @needs_kernel
@@ -79,7 +85,13 @@ def test_batches_past_its_rows_and_mixed_steps_take_the_forward(llama: TinyModel
 
 @pytest.mark.parametrize(
     "overrides",
-    [{"cpu_fused_decode": False}, {"cpu_kernels": False}, {"pack_cpu_weights": False}, {"dtype": "bfloat16"}],
+    [
+        {"cpu_fused_decode": False},
+        {"cpu_kernels": False},
+        {"pack_cpu_weights": False},
+        {"dtype": "bfloat16"},
+        {"kv_cache_dtype": "bfloat16"},  # the native decoder reads a float32 or an int8 cache
+    ],
 )
 def test_off_where_it_does_not_apply(llama: TinyModel, overrides: dict[str, Any]) -> None:
     engine = llama.engine(**overrides)

@@ -9,6 +9,7 @@ import torch
 
 from local_engine.sampling_params import SamplingParams
 from local_engine.sequence import Sequence
+from local_engine.speculative import Proposer
 
 VOCAB = 160  # the tiny models' vocabulary (tests/local_engine/conftest.py)
 TinyModel = Any
@@ -26,7 +27,7 @@ def check_equal(model: TinyModel, batch: list[list[int]], outputs: list[list[int
         assert got == model.hf_greedy(prompt, max_new), f"{model.name}: prompt of {len(prompt)} tokens differs"
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """Proposes transformers' own greedy continuation, with every third proposal's last token wrong: verification
     then sees full acceptances, partial ones and rejections (tiny random models rarely repeat themselves, so
     prompt lookup alone accepts little on them)."""
@@ -44,14 +45,17 @@ class OracleProposer:
         return proposal
 
 
-@pytest.fixture(params=["off", "ngram", "oracle"])
+@pytest.fixture(params=["off", "ngram", "oracle", "draft"])
 def spec(request: pytest.FixtureRequest) -> str:
-    """Each engine test runs without speculative decoding, with prompt lookup, and with an oracle proposer."""
+    """Each engine test runs without speculative decoding, with prompt lookup, with an oracle proposer, and with a
+    draft model (the target's first layer: an early-exit draft with its own KV cache, right often enough to accept)."""
     return str(request.param)
 
 
 def spec_engine(model: TinyModel, spec: str, batch: list[list[int]], **overrides: Any) -> Any:
-    if spec != "off":
+    if spec == "draft":
+        overrides["speculative"] = {"method": "draft", "draft_num_layers": 1, "max_num_seqs": 64}
+    elif spec != "off":
         overrides["speculative"] = {"method": "ngram", "ngram_min": 1, "max_num_seqs": 64}
     engine = model.engine(**overrides)
     if spec == "oracle":
@@ -67,6 +71,8 @@ def check_speculated(engine: Any, spec: str) -> None:
     if spec == "oracle":
         assert stats["spec_accepted_tokens_total"] > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    if spec == "draft":
+        assert stats["spec_draft_kv_blocks_free"] == stats["spec_draft_kv_blocks_total"]
 
 
 def test_logits_match_transformers(family: TinyModel) -> None:

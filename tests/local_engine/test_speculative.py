@@ -14,7 +14,7 @@ from local_engine.config import SpeculativeConfig
 from local_engine.output_processor import RequestOutput, accumulate
 from local_engine.sampling_params import SamplingParams
 from local_engine.sequence import Sequence
-from local_engine.speculative import MAX_MISSES, PAUSE_STEPS, NgramProposer, Speculator
+from local_engine.speculative import MAX_MISSES, PAUSE_STEPS, NgramProposer, Proposer, Speculator
 
 VOCAB = 160
 NGRAM = {"method": "ngram", "ngram_min": 1, "max_num_seqs": 256}
@@ -85,7 +85,7 @@ def test_requests_that_never_speculate(params: dict[str, Any]) -> None:
 # -- the engine -------------------------------------------------------------------------------------------------
 
 
-class ReplayProposer:
+class ReplayProposer(Proposer):
     """Proposes a reference run's own continuation, with every third proposal's last token wrong: verification
     sees full acceptances, partial ones and rejections."""
 
@@ -288,7 +288,7 @@ def test_verified_tokens_follow_the_target_distribution(
     third = sum(float(joint[a, b]) * row for (a, b), row in zip(pairs, given_pair, strict=True))
     proposal = [int(second.argmax()), int(third.argmax())]
 
-    class Fixed:
+    class Fixed(Proposer):
         def propose(self, seq: Sequence, num_tokens: int) -> list[int]:
             return proposal[:num_tokens] if seq.num_output_tokens == 1 else []
 

@@ -29,12 +29,13 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`torch_ops.paged_decode_attention`, reading the cache blocks in place when the kernel applies."""
-    out = launch.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
-    if out is None:
-        return torch_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return out
+    args = (q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+    out = launch.paged_decode_attention(*args)
+    return torch_ops.paged_decode_attention(*args) if out is None else out
 
 
 def paged_prefill_attention(
@@ -46,9 +47,11 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     max_seqlen_q: int,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`torch_ops.paged_prefill_attention`, reading the cache blocks in place when the kernel applies."""
-    args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale)
+    args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale, k_scale, v_scale)
     out = launch.paged_prefill_attention(*args)
     return torch_ops.paged_prefill_attention(*args) if out is None else out
 
@@ -60,11 +63,17 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """`torch_ops.store_kv`, one copy per token row when the kernel applies."""
-    if not launch.store_kv(k, v, k_cache, v_cache, slot_mapping):
-        torch_ops.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    """`torch_ops.store_kv`, one copy (or quantization) per token row when the kernel applies."""
+    if not launch.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
+        torch_ops.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def rms_norm(

@@ -13,7 +13,9 @@
  * OpenMP over sequences or panels (the process's one OpenMP runtime: torch's).
  *
  * Layouts: q [B, H, D] with rows `q_stride` floats apart (a view into the fused qkv projection); out [B, H, D];
- * k_cache and v_cache [num_blocks, block_size, KVH, D]; block_tables int32 [B, table_width]; context_lens int32
+ * k_cache and v_cache [num_blocks, block_size, KVH, D], float32, or int8 with float32 scales k_scale / v_scale
+ * [num_blocks, KVH] (an element reads as q * scale; null scales: a float32 cache; the write rule is
+ * kernels/reference.py's, `unigate_store_kv_i8`); block_tables int32 [B, table_width]; context_lens int32
  * [B]. Head h attends with KV head h / (H / KVH). Per KV head of a sequence, the context is taken 512 keys at
  * a time in two passes: the scores of all its query heads (four keys' dot products at a time, each K row read
  * prefetching the same row of the block two ahead), one online-softmax update per head over the whole chunk
@@ -157,6 +159,27 @@ static inline void prefetch(const float *p, int64_t num_floats) {
     for (int64_t offset = 0; offset < num_floats * 4; offset += 64) _mm_prefetch(c + offset, _MM_HINT_T0);
 }
 
+/* The KV cache's elements: float32, or int8 (`i8`, a compile-time constant wherever these are inlined) that read as
+   q * scale with a float32 scale per (block, KV head). Offsets below count elements, whatever their size. */
+static inline __attribute__((always_inline)) const void *kv_at(const void *base, int64_t elements, const int i8) {
+    return (const char *)base + elements * (i8 ? 1 : 4);
+}
+
+static inline __attribute__((always_inline)) vec_t kv_load(const void *base, int64_t elements, const int i8) {
+    if (!i8) return vec_load((const float *)base + elements);
+    const int8_t *p = (const int8_t *)base + elements;
+#ifdef __AVX512F__
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#else
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#endif
+}
+
+static inline __attribute__((always_inline)) void kv_prefetch(const void *p, int64_t elements, const int i8) {
+    const char *c = (const char *)p;
+    for (int64_t offset = 0; offset < elements * (i8 ? 1 : 4); offset += 64) _mm_prefetch(c + offset, _MM_HINT_T0);
+}
+
 /* [sum(a0), sum(a1), sum(a2), sum(a3)]: four accumulators' lanes summed by one shuffle tree */
 static inline __m128 vec_sum4(vec_t a0, vec_t a1, vec_t a2, vec_t a3) {
 #ifdef __AVX512F__
@@ -177,27 +200,27 @@ static inline __m128 vec_sum4(vec_t a0, vec_t a1, vec_t a2, vec_t a3) {
 /* out[t] = q . k_t for the n keys of one block (rows `stride` floats apart), four keys at a time. With `ahead`
    (the same rows of a later block), each row read here prefetches its counterpart there: a steady stream of
    prefetches alongside the arithmetic rather than a burst that stalls on the miss buffers. */
-static inline void block_scores(const float *q, const float *k, int64_t stride, int64_t n, int64_t dim, float *out,
-                                const float *ahead) {
+static inline __attribute__((always_inline)) void block_scores(const float *q, const void *k, int64_t stride,
+                                                               int64_t n, int64_t dim, float *out, const void *ahead,
+                                                               const int i8) {
     int64_t t = 0;
     for (; t + 4 <= n; t += 4) {
-        const float *k0 = k + t * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
+        const int64_t k0 = t * stride, k1 = k0 + stride, k2 = k1 + stride, k3 = k2 + stride;
         if (ahead)
-            for (int64_t r = t; r < t + 4; r++) prefetch(ahead + r * stride, dim);
+            for (int64_t r = t; r < t + 4; r++) kv_prefetch(kv_at(ahead, r * stride, i8), dim, i8);
         vec_t a0 = vec_zero(), a1 = vec_zero(), a2 = vec_zero(), a3 = vec_zero();
         for (int64_t d = 0; d < dim; d += LANES) {
             const vec_t qd = vec_load(q + d);
-            a0 = vec_fmadd(qd, vec_load(k0 + d), a0);
-            a1 = vec_fmadd(qd, vec_load(k1 + d), a1);
-            a2 = vec_fmadd(qd, vec_load(k2 + d), a2);
-            a3 = vec_fmadd(qd, vec_load(k3 + d), a3);
+            a0 = vec_fmadd(qd, kv_load(k, k0 + d, i8), a0);
+            a1 = vec_fmadd(qd, kv_load(k, k1 + d, i8), a1);
+            a2 = vec_fmadd(qd, kv_load(k, k2 + d, i8), a2);
+            a3 = vec_fmadd(qd, kv_load(k, k3 + d, i8), a3);
         }
         _mm_storeu_ps(out + t, vec_sum4(a0, a1, a2, a3));
     }
     for (; t < n; t++) {
-        const float *kt = k + t * stride;
         vec_t a = vec_zero();
-        for (int64_t d = 0; d < dim; d += LANES) a = vec_fmadd(vec_load(q + d), vec_load(kt + d), a);
+        for (int64_t d = 0; d < dim; d += LANES) a = vec_fmadd(vec_load(q + d), kv_load(k, t * stride + d, i8), a);
         out[t] = vec_sum(a);
     }
 }
@@ -206,10 +229,12 @@ static inline void block_scores(const float *q, const float *k, int64_t stride, 
 #define SCORE_CHUNK 512
 
 /* The rows of KV head `offset` in the block PREFETCH_BLOCKS_AHEAD after block `index`, or 0 past the context. */
-static inline const float *block_ahead(const float *cache, const int32_t *table, int64_t index, int64_t num_blocks,
-                                       int64_t block_floats, int64_t offset) {
+static inline __attribute__((always_inline)) const void *block_ahead(const void *cache, const int32_t *table,
+                                                                     int64_t index, int64_t num_blocks,
+                                                                     int64_t block_floats, int64_t offset,
+                                                                     const int i8) {
     const int64_t later = index + PREFETCH_BLOCKS_AHEAD;
-    return later < num_blocks ? cache + table[later] * block_floats + offset : 0;
+    return later < num_blocks ? kv_at(cache, table[later] * block_floats + offset, i8) : 0;
 }
 
 /* Query heads of a group whose values are summed together (each value row loaded once for all of them): as many
@@ -225,26 +250,28 @@ static inline const float *block_ahead(const float *cache, const int32_t *table,
 /* acc[g][0 : vecs * LANES] += sum_t p_g[t] * v_t[d0 : ...] for `heads` query heads (acc rows `dim` floats apart,
    score rows SCORE_CHUNK apart) over the chunk's n keys, the accumulators in registers across its blocks. */
 static inline __attribute__((always_inline)) void chunk_values(const int heads, const int vecs, float *acc,
-                                                               int64_t dim, const float *p, const float *v_cache,
+                                                               int64_t dim, const float *p, const void *v_cache,
                                                                const int32_t *table, int64_t first_block,
                                                                int64_t n, int64_t block_size, int64_t block_floats,
                                                                int64_t offset, int64_t stride, int64_t total_blocks,
-                                                               int prefetch_v) {
+                                                               int prefetch_v, const float *v_scale,
+                                                               int64_t num_kv_heads, const int i8) {
     vec_t c[DECODE_HEADS][DECODE_VECS];
     for (int g = 0; g < heads; g++)
         for (int j = 0; j < vecs; j++) c[g][j] = vec_load(acc + g * dim + j * LANES);
     for (int64_t b = 0; b * block_size < n; b++) {
         const int64_t index = first_block + b, nb = n - b * block_size < block_size ? n - b * block_size : block_size;
-        const float *vb = v_cache + table[index] * block_floats + offset;
-        const float *ahead = prefetch_v ? block_ahead(v_cache, table, index, total_blocks, block_floats, offset) : 0;
+        const void *vb = kv_at(v_cache, table[index] * block_floats + offset, i8);
+        const void *ahead =
+            prefetch_v ? block_ahead(v_cache, table, index, total_blocks, block_floats, offset, i8) : 0;
         const float *pb = p + b * block_size;
+        const float vs = i8 ? v_scale[table[index] * num_kv_heads] : 1.0f; /* v_scale: this KV head's column */
         for (int64_t t = 0; t < nb; t++) {
-            const float *vt = vb + t * stride;
-            if (ahead) prefetch(ahead + t * stride, vecs * LANES);
+            if (ahead) kv_prefetch(kv_at(ahead, t * stride, i8), vecs * LANES, i8);
             vec_t v[DECODE_VECS];
-            for (int j = 0; j < vecs; j++) v[j] = vec_load(vt + j * LANES);
+            for (int j = 0; j < vecs; j++) v[j] = kv_load(vb, t * stride + j * LANES, i8);
             for (int g = 0; g < heads; g++) {
-                const vec_t pt = vec_set1(pb[g * SCORE_CHUNK + t]);
+                const vec_t pt = vec_set1(i8 ? pb[g * SCORE_CHUNK + t] * vs : pb[g * SCORE_CHUNK + t]);
                 for (int j = 0; j < vecs; j++) c[g][j] = vec_fmadd(pt, v[j], c[g][j]);
             }
         }
@@ -256,7 +283,8 @@ static inline __attribute__((always_inline)) void chunk_values(const int heads, 
 #define CHUNK_VALUES(h, v)                                                                                     \
     case v:                                                                                                    \
         chunk_values(h, v, acc + g0 * dim + d0, dim, scores + g0 * SCORE_CHUNK, v_cache, table, first_block, n, \
-                     block_size, block_floats, kh * dim + d0, token_stride, total_blocks, g0 == 0 && d0 == 0);  \
+                     block_size, block_floats, kh * dim + d0, token_stride, total_blocks, g0 == 0 && d0 == 0,   \
+                     v_scale ? v_scale + kh : 0, num_kv_heads, i8);                                             \
         break;
 #if DECODE_VECS == 4
 #define CHUNK_VALUES_HEADS(h) \
@@ -276,9 +304,12 @@ static inline __attribute__((always_inline)) void chunk_values(const int heads, 
    context is taken SCORE_CHUNK keys at a time in two passes: the scores of all its query heads over the chunk,
    one softmax update per head over the whole chunk, then the weighted sum of the chunk's values with the
    accumulators of DECODE_HEADS query heads in registers across the chunk's blocks. */
-static void decode_one(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
-                       int64_t context_len, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
-                       int64_t block_size, float scale, int64_t kh_first, int64_t kh_last) {
+static inline __attribute__((always_inline)) void decode_one(const float *q, const void *k_cache, const void *v_cache,
+                                                             const float *k_scale, const float *v_scale,
+                                                             const int32_t *table, int64_t context_len, float *out,
+                                                             int64_t num_heads, int64_t num_kv_heads, int64_t dim,
+                                                             int64_t block_size, float scale, int64_t kh_first,
+                                                             int64_t kh_last, const int i8) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * dim;
     const int64_t block_floats = block_size * token_stride;
     const int64_t total_blocks = (context_len + block_size - 1) / block_size;
@@ -298,11 +329,16 @@ static void decode_one(const float *q, const float *k_cache, const float *v_cach
             const int64_t first_block = chunk / block_size, num_blocks = (n + block_size - 1) / block_size;
             for (int64_t b = 0; b < num_blocks; b++) {
                 const int64_t index = first_block + b, nb = n - b * block_size < block_size ? n - b * block_size : block_size;
-                const float *kb = k_cache + table[index] * block_floats + kh * dim;
-                const float *k_ahead = block_ahead(k_cache, table, index, total_blocks, block_floats, kh * dim);
-                for (int64_t g = 0; g < group; g++)
-                    block_scores(qs + g * dim, kb, token_stride, nb, dim, scores + g * SCORE_CHUNK + b * block_size,
-                                 g == 0 ? k_ahead : 0);
+                const void *kb = kv_at(k_cache, table[index] * block_floats + kh * dim, i8);
+                const void *k_ahead = block_ahead(k_cache, table, index, total_blocks, block_floats, kh * dim, i8);
+                for (int64_t g = 0; g < group; g++) {
+                    float *sc = scores + g * SCORE_CHUNK + b * block_size;
+                    block_scores(qs + g * dim, kb, token_stride, nb, dim, sc, g == 0 ? k_ahead : 0, i8);
+                    if (i8) { /* the block's K scale: scores of int8 keys times it */
+                        const float ks = k_scale[table[index] * num_kv_heads + kh];
+                        for (int64_t t = 0; t < nb; t++) sc[t] *= ks;
+                    }
+                }
             }
             for (int64_t g = 0; g < group; g++) {
                 float alpha, *p = scores + g * SCORE_CHUNK;
@@ -331,10 +367,27 @@ static void decode_one(const float *q, const float *k_cache, const float *v_cach
 
 /* The decode tasks of one call, shared out among the threads of the enclosing parallel region (an orphaned
    `omp for`: the exported kernel below opens the region; the fused decoder calls it inside its own). */
-static void decode_tasks(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                         const int32_t *block_tables, const int32_t *context_lens, float *out, int64_t num_seqs,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                         int64_t table_width, float scale) {
+static void decode_seq_f32(const float *q, const void *k_cache, const void *v_cache, const int32_t *table,
+                           int64_t context_len, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
+                           int64_t block_size, float scale, int64_t kh_first, int64_t kh_last) {
+    decode_one(q, k_cache, v_cache, 0, 0, table, context_len, out, num_heads, num_kv_heads, dim, block_size, scale,
+               kh_first, kh_last, 0);
+}
+
+static void decode_seq_i8(const float *q, const void *k_cache, const void *v_cache, const float *k_scale,
+                          const float *v_scale, const int32_t *table, int64_t context_len, float *out,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t dim, int64_t block_size, float scale,
+                          int64_t kh_first, int64_t kh_last) {
+    decode_one(q, k_cache, v_cache, k_scale, v_scale, table, context_len, out, num_heads, num_kv_heads, dim,
+               block_size, scale, kh_first, kh_last, 1);
+}
+
+/* k_scale / v_scale: null for a float32 cache, else the int8 cache's scales [num_blocks, KVH]. */
+static void decode_tasks(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                         const float *k_scale, const float *v_scale, const int32_t *block_tables,
+                         const int32_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t table_width,
+                         float scale) {
     /* Whole sequences per task when there are enough of them to keep every thread busy; else one task per
        (sequence, KV head), so batch 1 uses every thread too. */
     const int64_t split_heads = num_seqs < 2 * omp_get_num_threads() ? num_kv_heads : 1;
@@ -342,19 +395,24 @@ static void decode_tasks(const float *q, int64_t q_stride, const float *k_cache,
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_seqs * split_heads; task++) {
         const int64_t b = task / split_heads, kh_first = (task % split_heads) * heads_per_task;
-        decode_one(q + b * q_stride, k_cache, v_cache, block_tables + b * table_width, context_lens[b],
-                   out + b * num_heads * head_dim, num_heads, num_kv_heads, head_dim, block_size, scale, kh_first,
-                   kh_first + heads_per_task);
+        if (k_scale)
+            decode_seq_i8(q + b * q_stride, k_cache, v_cache, k_scale, v_scale, block_tables + b * table_width,
+                          context_lens[b], out + b * num_heads * head_dim, num_heads, num_kv_heads, head_dim,
+                          block_size, scale, kh_first, kh_first + heads_per_task);
+        else
+            decode_seq_f32(q + b * q_stride, k_cache, v_cache, block_tables + b * table_width, context_lens[b],
+                           out + b * num_heads * head_dim, num_heads, num_kv_heads, head_dim, block_size, scale,
+                           kh_first, kh_first + heads_per_task);
     }
 }
 
-void unigate_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+void unigate_paged_decode_f32(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                               const int32_t *block_tables, const int32_t *context_lens, float *out, int64_t num_seqs,
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                              int64_t table_width, float scale) {
+                              int64_t table_width, float scale, const float *k_scale, const float *v_scale) {
 #pragma omp parallel
-    decode_tasks(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, num_seqs, num_heads, num_kv_heads,
-                 head_dim, block_size, table_width, scale);
+    decode_tasks(q, q_stride, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out, num_seqs, num_heads,
+                 num_kv_heads, head_dim, block_size, table_width, scale);
 }
 
 /* Paged prefill attention, causal: sequence s has q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s] query tokens, the
@@ -434,16 +492,30 @@ static inline __attribute__((always_inline)) void prefill_values(const int rows,
 static inline int64_t prefill_kpad(int64_t num_keys) { return (num_keys + PREFILL_KEYS - 1) / PREFILL_KEYS * PREFILL_KEYS; }
 
 /* The context's keys of KV head kh transposed into kt [dim][kpad] (zero past the context), and the addresses of
-   its value rows in vrows [num_keys]: once per (sequence, KV head), shared by all its tasks. */
-static void prefill_keys(const float *k_cache, const float *v_cache, const int32_t *table, int64_t num_keys,
-                         int64_t kh, int64_t num_kv_heads, int64_t dim, int64_t block_size, float *kt,
-                         const float **vrows) {
+   its value rows in vrows [num_keys]: once per (sequence, KV head), shared by all its tasks. An int8 cache (scales
+   given) is dequantized on the way: the keys into kt, the values into vt [num_keys][dim], which vrows then point
+   into. */
+static void prefill_keys(const void *k_cache, const void *v_cache, const float *k_scale, const float *v_scale,
+                         const int32_t *table, int64_t num_keys, int64_t kh, int64_t num_kv_heads, int64_t dim,
+                         int64_t block_size, float *kt, float *vt, const float **vrows) {
     const int64_t token_stride = num_kv_heads * dim, kpad = prefill_kpad(num_keys);
     for (int64_t j = 0; j < num_keys; j++) {
-        const int64_t offset = ((int64_t)table[j / block_size] * block_size + j % block_size) * token_stride + kh * dim;
-        const float *row = k_cache + offset;
-        vrows[j] = v_cache + offset;
-        for (int64_t d = 0; d < dim; d++) kt[d * kpad + j] = row[d];
+        const int64_t block = table[j / block_size];
+        const int64_t offset = (block * block_size + j % block_size) * token_stride + kh * dim;
+        if (k_scale) {
+            const int8_t *row = (const int8_t *)k_cache + offset, *vrow = (const int8_t *)v_cache + offset;
+            const float ks = k_scale[block * num_kv_heads + kh], vs = v_scale[block * num_kv_heads + kh];
+            float *v = vt + j * dim;
+            for (int64_t d = 0; d < dim; d++) {
+                kt[d * kpad + j] = (float)row[d] * ks;
+                v[d] = (float)vrow[d] * vs;
+            }
+            vrows[j] = v;
+        } else {
+            const float *row = (const float *)k_cache + offset;
+            vrows[j] = (const float *)v_cache + offset;
+            for (int64_t d = 0; d < dim; d++) kt[d * kpad + j] = row[d];
+        }
     }
     for (int64_t d = 0; d < dim; d++)
         for (int64_t j = num_keys; j < kpad; j++) kt[d * kpad + j] = 0.0f;
@@ -516,10 +588,11 @@ static void prefill_task(const float *q, int64_t q_stride, const float *kt, cons
     }
 }
 
-int unigate_paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+int unigate_paged_prefill_f32(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                               const int32_t *block_tables, int64_t table_width, const int32_t *cu_seqlens_q,
                               const int32_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
-                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
+                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                              const float *k_scale, const float *v_scale) {
     /* tasks: (sequence, KV head, chunk of PREFILL_TOKENS tokens); first[s] = index of sequence s's first task;
        keys[s]: offset of sequence s's transposed keys (num_kv_heads x [dim][kpad] floats) and value addresses */
     int64_t *first = malloc(sizeof(int64_t) * (2 * num_seqs + 2));
@@ -532,9 +605,11 @@ int unigate_paged_prefill_f32(const float *q, int64_t q_stride, const float *k_c
         keys[s + 1] = keys[s] + num_kv_heads * prefill_kpad(context_lens[s]);
     }
     float *kt = malloc(sizeof(float) * (head_dim * keys[num_seqs] + 1));
+    float *vt = k_scale ? malloc(sizeof(float) * (head_dim * keys[num_seqs] + 1)) : 0; /* int8: dequantized values */
     const float **vrows = malloc(sizeof(float *) * (keys[num_seqs] + 1));
-    if (!kt || !vrows) {
+    if (!kt || !vrows || (k_scale && !vt)) {
         free(kt);
+        free(vt);
         free(vrows);
         free(first);
         return 1;
@@ -546,8 +621,9 @@ int unigate_paged_prefill_f32(const float *q, int64_t q_stride, const float *k_c
         for (int64_t unit = 0; unit < num_seqs * num_kv_heads; unit++) {
             const int64_t s = unit / num_kv_heads, kh = unit % num_kv_heads, kpad = prefill_kpad(context_lens[s]);
             if (cu_seqlens_q[s + 1] == cu_seqlens_q[s]) continue;  /* no new tokens: no task reads its keys */
-            prefill_keys(k_cache, v_cache, block_tables + s * table_width, context_lens[s], kh, num_kv_heads, head_dim,
-                         block_size, kt + (keys[s] + kh * kpad) * head_dim, vrows + keys[s] + kh * kpad);
+            prefill_keys(k_cache, v_cache, k_scale, v_scale, block_tables + s * table_width, context_lens[s], kh,
+                         num_kv_heads, head_dim, block_size, kt + (keys[s] + kh * kpad) * head_dim,
+                         vt ? vt + (keys[s] + kh * kpad) * head_dim : 0, vrows + keys[s] + kh * kpad);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < total; it++) {
@@ -565,6 +641,7 @@ int unigate_paged_prefill_f32(const float *q, int64_t q_stride, const float *k_c
         }
     }
     free(kt);
+    free(vt);
     free(vrows);
     free(first);
     return 0;  /* nonzero (above): the transposed keys could not be allocated (nothing is written) */
@@ -975,6 +1052,74 @@ void unigate_store_kv_f32(const float *k, int64_t k_stride, const float *v, int6
     }
 }
 
+/* int8 KV cache write, by the rule of kernels/reference.py: tokens in runs (consecutive tokens whose slots share a
+ * block; slot -1 skipped), per run and KV head one scale = max(the block's scale, or 0 when the run writes offset
+ * 0; the run's max |x| / 127); when it grew, the block's entries below the run's first offset are requantized
+ * (round(q * old / new)); the run's tokens stored as round(x / scale), half to even, clamped to [-127, 127]. The same
+ * float32 operations in the same order as the torch code, so the bytes are the same. One head of K or V per call:
+ * x rows `x_stride` floats apart, cache [num_blocks, block_size, KVH, dim] int8, scales [num_blocks, KVH]. */
+static inline void quantize_row(const float *x, float mul, int8_t *out, int64_t dim) {
+    for (int64_t d = 0; d < dim; d++) {
+        const float r = nearbyintf(x[d] * mul);
+        out[d] = (int8_t)(r < -127.0f ? -127.0f : r > 127.0f ? 127.0f : r);
+    }
+}
+
+static void store_head_i8(const float *x, int64_t x_stride, int8_t *cache, float *scales, const int64_t *slots,
+                          int64_t num_tokens, int64_t num_kv_heads, int64_t dim, int64_t block_size, int64_t h) {
+    const int64_t row = num_kv_heads * dim;
+    float requantized[MAX_HEAD_DIM];
+    for (int64_t t = 0; t < num_tokens;) {
+        if (slots[t] < 0) {
+            t++;
+            continue;
+        }
+        const int64_t block = slots[t] / block_size;
+        int64_t end = t, first = block_size;
+        float amax = 0.0f;
+        for (; end < num_tokens && slots[end] >= 0 && slots[end] / block_size == block; end++) {
+            const int64_t offset = slots[end] % block_size;
+            first = offset < first ? offset : first;
+            const float *xr = x + end * x_stride + h * dim;
+            for (int64_t d = 0; d < dim; d++) amax = fmaxf(amax, fabsf(xr[d]));
+        }
+        float *scale_at = scales + block * num_kv_heads + h;
+        const float base = first == 0 ? 0.0f : *scale_at, scale = fmaxf(base, amax / 127.0f);
+        const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+        int8_t *b = cache + block * block_size * row + h * dim;
+        if (first > 0 && base > 0.0f && scale > base) {
+            const float ratio = base * inv;
+            for (int64_t o = 0; o < first; o++) {
+                for (int64_t d = 0; d < dim; d++) requantized[d] = (float)b[o * row + d];
+                quantize_row(requantized, ratio, b + o * row, dim);
+            }
+        }
+        for (int64_t i = t; i < end; i++) quantize_row(x + i * x_stride + h * dim, inv, b + slots[i] % block_size * row, dim);
+        *scale_at = scale;
+        t = end;
+    }
+}
+
+/* K and V of every KV head, one (K or V, head) per task of the enclosing parallel region's threads. */
+static void store_kv_i8_tasks(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int8_t *k_cache,
+                              int8_t *v_cache, float *k_scale, float *v_scale, const int64_t *slots,
+                              int64_t num_tokens, int64_t num_kv_heads, int64_t dim, int64_t block_size) {
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < 2 * num_kv_heads; task++) {
+        const int is_v = task >= num_kv_heads;
+        store_head_i8(is_v ? v : k, is_v ? v_stride : k_stride, is_v ? v_cache : k_cache, is_v ? v_scale : k_scale,
+                      slots, num_tokens, num_kv_heads, dim, block_size, task % num_kv_heads);
+    }
+}
+
+void unigate_store_kv_i8(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int8_t *k_cache,
+                         int8_t *v_cache, float *k_scale, float *v_scale, const int64_t *slots, int64_t num_tokens,
+                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
+#pragma omp parallel if (num_tokens * num_kv_heads * head_dim > (1 << 14))
+    store_kv_i8_tasks(k, k_stride, v, v_stride, k_cache, v_cache, k_scale, v_scale, slots, num_tokens, num_kv_heads,
+                      head_dim, block_size);
+}
+
 /* The decoder stack of a Llama-family model for one decode step, in one call and one parallel region: per layer,
  * RMSNorm (with the residual add) -> qkv projection -> per-head q/k RMSNorm (Qwen3) and rotary -> KV cache write
  * -> paged decode attention -> o projection -> RMSNorm -> gate/up projection -> silu-and-mul -> down projection;
@@ -997,7 +1142,8 @@ typedef struct {
     const uint8_t *const *o;
     const float *const *o_bias;
     const uint8_t *const *gate_up, *const *down;
-    float *const *k_cache, *const *v_cache;
+    void *const *k_cache, *const *v_cache; /* float32, or int8 with the scales below */
+    float *const *k_scale, *const *v_scale; /* int8 KV cache: per layer [num_blocks, KVH]; null: float32 */
     const float *final_norm, *cos_sin;
 } unigate_decoder_t;
 
@@ -1036,13 +1182,18 @@ int unigate_decode_layers_f32(const unigate_decoder_t *m, int64_t num_rows, floa
                 const float *cos = m->cos_sin + positions[t] * dim, *sin = cos + dim / 2;
                 rotate_heads(q, heads, dim, cos, sin);
                 rotate_heads(k, kv_heads, dim, cos, sin);
-                if (slots[t] >= 0) {
-                    memcpy(m->k_cache[l] + slots[t] * kv_size, k, kv_size * sizeof(float));
-                    memcpy(m->v_cache[l] + slots[t] * kv_size, k + kv_size, kv_size * sizeof(float));
+                if (slots[t] >= 0 && !m->k_scale) {
+                    memcpy((float *)m->k_cache[l] + slots[t] * kv_size, k, kv_size * sizeof(float));
+                    memcpy((float *)m->v_cache[l] + slots[t] * kv_size, k + kv_size, kv_size * sizeof(float));
                 }
             }
-            decode_tasks(qkv, qkv_size, m->k_cache[l], m->v_cache[l], block_tables, context_lens, attn, num_rows,
-                         heads, kv_heads, dim, m->block_size, table_width, m->scale);
+            if (m->k_scale) /* int8: rows of one sequence share blocks, so the write goes by (K or V, head) */
+                store_kv_i8_tasks(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, m->k_cache[l],
+                                  m->v_cache[l], m->k_scale[l], m->v_scale[l], slots, num_rows, kv_heads, dim,
+                                  m->block_size);
+            decode_tasks(qkv, qkv_size, m->k_cache[l], m->v_cache[l], m->k_scale ? m->k_scale[l] : 0,
+                         m->v_scale ? m->v_scale[l] : 0, block_tables, context_lens, attn, num_rows, heads, kv_heads,
+                         dim, m->block_size, table_width, m->scale);
             failed |= linear_panels(attn, q_size, num_rows, m->o[l], format, hidden, q_size,
                                     m->o_bias ? m->o_bias[l] : 0, sub);
 #pragma omp barrier

@@ -1,8 +1,9 @@
 """The launchers of the native CPU kernels: each takes torch tensors, checks that they are what its C kernel
-handles (float32 on CPU, the strides and limits the kernel was written for) and calls it through the declarations
-of `library.SIGNATURES`. Where the kernels cannot be built, or a call is outside what they handle (another dtype,
-shapes past their limits), a launcher returns None (False for the in-place ones) and does nothing: the caller takes
-the torch path (`cpu_ops` does so for the six engine operations, `layers/linear.py` for projections).
+handles (float32 on CPU, the strides and limits the kernel was written for; the KV cache float32, or int8 with its
+float32 scales per (block, KV head)) and calls it through the declarations of `library.SIGNATURES`. Where the
+kernels cannot be built, or a call is outside what they handle (another dtype, shapes past their limits), a
+launcher returns None (False for the in-place ones) and does nothing: the caller takes the torch path (`cpu_ops`
+does so for the six engine operations, `layers/linear.py` for projections).
 """
 
 from __future__ import annotations
@@ -37,6 +38,22 @@ _BLOCK_BYTES = {WEIGHTS_Q4_1: 20, WEIGHTS_Q8_0: 34}  # bytes of one block of 32 
 _PANEL_BLOCK_BYTES = {WEIGHTS_Q4_1: 24, WEIGHTS_Q8_0: 36}  # bytes per block of 32 and output feature, packed
 
 
+def _scales_fit(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> bool:
+    """A float32 cache without scales, or an int8 one with float32 scales [num_blocks, KVH] (contiguous)."""
+    if k_cache.dtype == v_cache.dtype == torch.float32:
+        return k_scale is None and v_scale is None
+    if not (k_cache.dtype == v_cache.dtype == torch.int8 and k_scale is not None and v_scale is not None):
+        return False
+    shape = (k_cache.shape[0], k_cache.shape[2])
+    return all(s.dtype == torch.float32 and s.shape == shape and s.is_contiguous() for s in (k_scale, v_scale))
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
 def _applies(
     kernel: Kernel,
     q: torch.Tensor,
@@ -44,12 +61,15 @@ def _applies(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> bool:
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     return (
         q.device.type == "cpu"
-        and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and q.dtype == torch.float32
+        and _scales_fit(k_cache, v_cache, k_scale, v_scale)
         and block_tables.dtype == context_lens.dtype == torch.int32
         and q.stride(2) == 1
         and q.stride(1) == head_dim  # the heads of a token side by side; tokens may be apart (a qkv view)
@@ -69,11 +89,13 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The signature of `torch_ops.paged_decode_attention`; None when the kernel is unavailable or the inputs
     are outside what it handles (the caller then takes the torch path)."""
     kernel = load()
-    if kernel is None or not _applies(kernel, q, k_cache, v_cache, block_tables, context_lens):
+    if kernel is None or not _applies(kernel, q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale):
         return None
     num_seqs, num_heads, head_dim = q.shape
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype)
@@ -93,6 +115,8 @@ def paged_decode_attention(
             k_cache.shape[1],
             block_tables.shape[1],
             scale,
+            _pointer(k_scale),
+            _pointer(v_scale),
         )
     return out
 
@@ -106,6 +130,8 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     max_seqlen_q: int,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The signature of `torch_ops.paged_prefill_attention`; None when the kernel is unavailable or the inputs are
     outside what it handles (head dims that are not a multiple of the vector width included). Raises MemoryError
@@ -114,7 +140,7 @@ def paged_prefill_attention(
     kernel = load()
     if (
         kernel is None
-        or not _applies(kernel, q, k_cache, v_cache, block_tables, context_lens)
+        or not _applies(kernel, q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
         or q.shape[2] % kernel.lanes
         or cu_seqlens_q.dtype != torch.int32
         or not cu_seqlens_q.is_contiguous()
@@ -139,6 +165,8 @@ def paged_prefill_attention(
         head_dim,
         k_cache.shape[1],
         scale,
+        _pointer(k_scale),
+        _pointer(v_scale),
     ):
         raise MemoryError("prefill attention: out of memory for the sequences' transposed keys")
     return out
@@ -331,15 +359,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> bool:
-    """`torch_ops.store_kv`; False (nothing done) when the kernel is unavailable or does not apply."""
+    """`torch_ops.store_kv` (an int8 cache by the rule of `kernels/reference.py`, byte for byte); False (nothing
+    done) when the kernel is unavailable or does not apply."""
     kernel = load()
     if kernel is None:
         return False
     num_tokens, num_kv_heads, head_dim = k.shape
     if not (
-        k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        k.dtype == v.dtype == torch.float32
+        and _scales_fit(k_cache, v_cache, k_scale, v_scale)
+        and head_dim <= kernel.max_head_dim
         and k.device.type == "cpu"
         and slot_mapping.dtype == torch.int64
         and slot_mapping.is_contiguous()
@@ -350,7 +387,23 @@ def store_kv(
         and k_cache.shape[2:] == v_cache.shape[2:] == (num_kv_heads, head_dim)
     ):
         return False
-    if num_tokens:
+    if num_tokens and k_scale is not None and v_scale is not None:
+        kernel.store_kv_int8(
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            k_scale.data_ptr(),
+            v_scale.data_ptr(),
+            slot_mapping.data_ptr(),
+            num_tokens,
+            num_kv_heads,
+            head_dim,
+            k_cache.shape[1],
+        )
+    elif num_tokens:
         kernel.store_kv(
             k.data_ptr(),
             k.stride(0),

@@ -44,7 +44,7 @@ _PP = ctypes.POINTER(ctypes.c_void_p)
 
 class DecoderWeights(ctypes.Structure):
     """`unigate_decoder_t`: a model's shape and, per layer, pointers to its weights (projections as panels) and KV
-    cache views. Null arrays: no q/k norm, no qkv or o bias."""
+    cache views (float32, or int8 with their scales). Null arrays: no q/k norm, no qkv or o bias, a float32 cache."""
 
     _fields_ = [
         *((name, _I) for name in ("num_layers", "hidden", "inter", "num_heads", "num_kv_heads", "head_dim")),
@@ -53,7 +53,7 @@ class DecoderWeights(ctypes.Structure):
         ("eps", _F),
         ("scale", _F),
         *((name, _PP) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias")),
-        *((name, _PP) for name in ("gate_up", "down", "k_cache", "v_cache")),
+        *((name, _PP) for name in ("gate_up", "down", "k_cache", "v_cache", "k_scale", "v_scale")),
         ("final_norm", _P),
         ("cos_sin", _P),
     ]
@@ -64,11 +64,11 @@ SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "unigate_vector_lanes": (_I, ()),
     "unigate_cpu_kernels_limits": (_INT, (ctypes.POINTER(_I),) * 4),
     # q, q_stride, k_cache, v_cache, block_tables, context_lens, out, num_seqs, num_heads, num_kv_heads, head_dim,
-    # block_size, table_width, scale
-    "unigate_paged_decode_f32": (None, (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F)),
+    # block_size, table_width, scale, k_scale, v_scale (null: a float32 cache)
+    "unigate_paged_decode_f32": (None, (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P)),
     # q, q_stride, k_cache, v_cache, block_tables, table_width, cu_seqlens_q, context_lens, out, num_seqs, num_heads,
-    # num_kv_heads, head_dim, block_size, scale
-    "unigate_paged_prefill_f32": (_INT, (_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F)),
+    # num_kv_heads, head_dim, block_size, scale, k_scale, v_scale (null: a float32 cache)
+    "unigate_paged_prefill_f32": (_INT, (_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P, _P)),
     # q, q_stride, k, k_stride, positions, cos_sin, num_tokens, num_heads, num_kv_heads, head_dim
     "unigate_rotary_f32": (None, (_P, _I, _P, _I, _P, _P, _I, _I, _I, _I)),
     "unigate_linear_panel_width": (_I, ()),
@@ -80,6 +80,9 @@ SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "unigate_silu_and_mul_f32": (None, (_P, _I, _I, _I)),
     # k, k_stride, v, v_stride, k_cache, v_cache, slots, num_tokens, row
     "unigate_store_kv_f32": (None, (_P, _I, _P, _I, _P, _P, _P, _I, _I)),
+    # k, k_stride, v, v_stride, k_cache, v_cache, k_scale, v_scale, slots, num_tokens, num_kv_heads, head_dim,
+    # block_size
+    "unigate_store_kv_i8": (None, (_P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I)),
     # m, num_rows, res, out, positions, slots, block_tables, context_lens, table_width, scratch
     "unigate_decode_layers_f32": (_INT, (ctypes.POINTER(DecoderWeights), _I, _P, _P, _P, _P, _P, _P, _I, _P)),
 }
@@ -125,6 +128,7 @@ class Kernel:
     rms_norm: Callable[..., Any]
     silu_and_mul: Callable[..., Any]
     store_kv: Callable[..., Any]
+    store_kv_int8: Callable[..., Any]
     prefill: Callable[..., Any]
     decode_layers: Callable[..., Any]
     max_heads: int
@@ -175,6 +179,7 @@ def load() -> Kernel | None:
         rms_norm=functions["unigate_rms_norm_f32"],
         silu_and_mul=functions["unigate_silu_and_mul_f32"],
         store_kv=functions["unigate_store_kv_f32"],
+        store_kv_int8=functions["unigate_store_kv_i8"],
         prefill=functions["unigate_paged_prefill_f32"],
         decode_layers=functions["unigate_decode_layers_f32"],
         max_heads=max_heads,

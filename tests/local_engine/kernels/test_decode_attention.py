@@ -108,7 +108,8 @@ def test_choose_num_splits():
         ({"block_tables": lambda t: t.to(torch.int64)}, "block_tables must be int32"),
         ({"context_lens": lambda t: t.to(torch.int64)}, "context_lens must be int32"),
         ({"q": lambda t: t[:, :3]}, "multiple of the cache's num_kv_heads"),
-        ({"q": lambda t: t.double()}, "they must match"),
+        ({"q": lambda t: t.double()}, "unsupported dtype torch.float64"),
+        ({"k_cache": lambda t: t.to(torch.int8), "v_cache": lambda t: t.to(torch.int8)}, "needs k_scale"),
         (
             {"k_cache": lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)},
             "k_cache and v_cache must be contiguous",
