@@ -257,16 +257,7 @@ class ModelRunner:
         attached = [(attn.k_cache, attn.v_cache, attn.k_scale, attn.v_scale) for attn in self._attention_layers()]
         self._allocate_kv_cache(num_blocks)
         device = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
-            num_decode_tokens=0,
-            decode_block_tables=None,
-            decode_context_lens=None,
-            prefill_block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
-            prefill_cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-            prefill_context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-            prefill_max_seqlen_q=num_tokens,
-        )
+        meta = AttentionMetadata.one_prefill(num_tokens, self.block_size, device)
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
         positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
         hidden = self.model(input_ids, positions, meta)

@@ -102,17 +102,7 @@ def _window_nll(engine: LLMEngine, tokens: list[int], first_scored: int) -> floa
     runner = engine.runner
     device = runner.device
     num_tokens = len(tokens)
-    num_blocks = -(-num_tokens // runner.block_size)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
-        num_decode_tokens=0,
-        decode_block_tables=None,
-        decode_context_lens=None,
-        prefill_block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
-        prefill_cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-        prefill_context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        prefill_max_seqlen_q=num_tokens,
-    )
+    meta = AttentionMetadata.one_prefill(num_tokens, runner.block_size, device)
     input_ids = torch.tensor(tokens, dtype=torch.int64, device=device)
     positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
     # Row i predicts token i + 1: the rows before the scored tokens are first_scored - 1 .. num_tokens - 2.

@@ -21,7 +21,7 @@ from auth import redis_names
 from auth.admin import KeyCreateBody, KeyUpdateBody, parse_body, record_json, rfc3339, totals_json, usage_json
 from auth.base import extract_credential
 from auth.master_key import read_master_key
-from auth.store import KeyStore
+from auth.store import KeyRecord, KeyStore
 from gateway.engine_metrics import local_engine_stats
 from gateway.errors import AuthError, InvalidRequestError, PermissionDeniedError
 from gateway.health_probe import HealthProber
@@ -34,6 +34,7 @@ __all__ = ["admin_routes"]
 
 _DEFAULT_PAGE_SIZE = 50
 _MAX_PAGE_SIZE = 500
+_MAX_SEARCH_SCAN = 10_000  # keys one `GET /admin/keys?search=` call reads at most (then `has_more`, go on `after`)
 
 
 def _json(data: dict[str, Any], status_code: int = 200) -> Response:
@@ -90,18 +91,46 @@ async def list_keys(request: Request) -> Response:
     store = await _admin_store(request)
     limit = _int_param(request, "limit", _DEFAULT_PAGE_SIZE, low=1, high=_MAX_PAGE_SIZE)
     assert limit is not None
-    page = await store.list_keys(limit=limit, after=request.query_params.get("after"))
+    after = request.query_params.get("after")
+    search = request.query_params.get("search", "").strip().lower()
+    if not search:
+        page = await store.list_keys(limit=limit, after=after)
+        records, has_more = page.records, page.has_more
+        last_id = page.records[-1].id if page.records else None
+    else:
+        records, has_more, last_id = await _search_keys(store, search, limit, after)
     now = await store.now_ms()
-    data = [record_json(record, now) for record in page.records]
+    data = [record_json(record, now) for record in records]
     return _json(
         {
             "object": "list",
             "data": data,
             "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": page.has_more,
+            "last_id": last_id,
+            "has_more": has_more,
         }
     )
+
+
+async def _search_keys(
+    store: KeyStore, search: str, limit: int, after: str | None
+) -> tuple[list[KeyRecord], bool, str | None]:
+    """Keys whose name, id or display prefix contains `search` (case-insensitive), in creation order, scanning at
+    most `_MAX_SEARCH_SCAN` keys per call; `last_id` is where the scan stopped (the next page's `after`)."""
+    found: list[KeyRecord] = []
+    scanned, last_id = 0, after
+    while scanned < _MAX_SEARCH_SCAN:
+        page = await store.list_keys(limit=_MAX_PAGE_SIZE, after=last_id)
+        for record in page.records:
+            scanned += 1
+            last_id = record.id
+            if any(search in value.lower() for value in (record.name, record.id, record.key_prefix)):
+                found.append(record)
+                if len(found) == limit:
+                    return found, True, last_id
+        if not page.has_more:
+            return found, False, last_id
+    return found, True, last_id
 
 
 async def get_key(request: Request) -> Response:

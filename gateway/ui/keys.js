@@ -100,13 +100,21 @@
   UG.pages.keys = {
     title: 'Keys',
     render(root) {
-      const state = { cursors: [null], index: 0, page: null, search: '' };
+      const state = { cursors: [null], index: 0, page: null, search: '', timer: 0 };
       const notice = h('div');
       const tableBox = h('div', { class: 'table-wrap' });
       const pager = h('div', { class: 'row' });
       const createBox = h('div', { hidden: true });
       const search = h('input', { type: 'search', placeholder: 'Search name, id or prefix', id: 'key-search',
-        oninput: () => { state.search = search.value.toLowerCase(); draw(); } });
+        oninput: () => {  // searched on the server (every key, not only this page), 250 ms after the last keystroke
+          clearTimeout(state.timer);
+          state.timer = setTimeout(() => {
+            state.search = search.value.trim();
+            state.cursors = [null];
+            state.index = 0;
+            load();
+          }, 250);
+        } });
 
       createBox.appendChild(h('div', { class: 'card' }, h('h2', {}, 'New key'),
         keyForm(null, async (body) => {
@@ -123,7 +131,8 @@
 
       async function load() {
         const after = state.cursors[state.index];
-        const query = '?limit=' + PAGE_SIZE + (after ? '&after=' + encodeURIComponent(after) : '');
+        const query = '?limit=' + PAGE_SIZE + (after ? '&after=' + encodeURIComponent(after) : '') +
+          (state.search ? '&search=' + encodeURIComponent(state.search) : '');
         try {
           state.page = await UG.api('GET', '/admin/keys' + query);
         } catch (e) {
@@ -134,8 +143,7 @@
       }
 
       function draw() {
-        const keys = state.page.data.filter((k) => !state.search ||
-          [k.name, k.id, k.key_prefix].some((v) => v.toLowerCase().includes(state.search)));
+        const keys = state.page.data;
         const rows = keys.map((key) => {
           const spark = h('span', { class: 'spark', 'aria-label': 'tokens per day' });
           sparkline(key.id, spark);

@@ -28,6 +28,22 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor | None  # [S] int32
     prefill_max_seqlen_q: int
 
+    @classmethod
+    def one_prefill(cls, num_tokens: int, block_size: int, device: torch.device) -> AttentionMetadata:
+        """One sequence's prefill of `num_tokens` tokens from position 0 into KV blocks 0, 1, ... (a scratch or
+        whole-cache pass: the profiling step, perplexity)."""
+        num_blocks = -(-num_tokens // block_size)
+        return cls(
+            slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
+            num_decode_tokens=0,
+            decode_block_tables=None,
+            decode_context_lens=None,
+            prefill_block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
+            prefill_cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+            prefill_context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+            prefill_max_seqlen_q=num_tokens,
+        )
+
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, ops: Ops) -> None:

@@ -65,6 +65,33 @@ async def test_list_is_paginated_and_never_shows_secrets(admin: httpx.AsyncClien
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
 
 
+async def test_search_pages_through_every_key_not_only_one_page(admin: httpx.AsyncClient) -> None:
+    """`search` matches name, id or display prefix, case-insensitively, over all keys; paging with `after` = the
+    previous page's `last_id` yields exactly what filtering the whole list would."""
+    created = [await _create(admin, name=f"{'Team-A' if i % 3 == 0 else 'other'}-{i}") for i in range(10)]
+    expected = [k["id"] for k in created if "team-a" in k["name"].lower()]  # 4 keys, spread over the list
+
+    async def pages(search: str, limit: int) -> list[str]:
+        got: list[str] = []
+        after: str | None = None
+        for _ in range(20):
+            params: dict[str, Any] = {"search": search, "limit": limit, **({"after": after} if after else {})}
+            page = (await admin.get("/admin/keys", params=params)).json()
+            got += [k["id"] for k in page["data"]]
+            if not page["has_more"]:
+                return got
+            after = page["last_id"]
+        raise AssertionError("paging did not end")
+
+    assert await pages("TEAM-a", 3) == expected
+    assert await pages("team-a", 1) == expected
+    assert await pages(created[4]["id"], 2) == [created[4]["id"]]
+    prefix = created[7]["key_prefix"]  # 4 random characters: another key may share them, so filter the same way
+    assert await pages(prefix, 5) == [k["id"] for k in created if prefix.lower() in k["key_prefix"].lower()]
+    empty = (await admin.get("/admin/keys", params={"search": "no-such-key"})).json()
+    assert empty["data"] == [] and empty["has_more"] is False
+
+
 async def test_patch_changes_only_sent_fields_and_null_clears(admin: httpx.AsyncClient) -> None:
     created = await _create(admin, name="a", rpm=10, tpm=100, models=["x"])
     patched = await admin.patch(f"/admin/keys/{created['id']}", json={"rpm": 20, "tpm": None, "models": ["y", "z*"]})

@@ -241,6 +241,13 @@ def test_operator_flow_in_a_real_browser(
     expect(page.locator("#keys-table")).to_contain_text("team-a")
     assert secret not in page.content()
     shoot("keys")
+    # Search asks the server (every key, not only the page shown): a name that matches nothing empties the table.
+    page.fill("#key-search", "no-such-key")
+    expect(page.locator("#keys-table")).to_contain_text("No keys.")
+    page.fill("#key-search", "TEAM-A")
+    expect(page.locator("#keys-table tr", has_text="team-a")).to_have_count(1)
+    page.fill("#key-search", "")
+    expect(page.locator("#keys-table")).to_contain_text("team-a")
 
     # Playground: stream through the gateway with the new key (pasted, kept in memory only).
     page.goto(server.url + "/ui#/playground")
