@@ -88,17 +88,26 @@ class Gateway:
         return state["pid"] != other_than and state["state"] == "up"
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Until /health/ready says the local deployment is up (the engine loaded its model)."""
+        """Until the local deployment is up (the engine loaded its model) in every worker: /health/ready answers
+        from whichever worker accepts the connection, and each worker learns the engine's state by polling it every
+        second (`EngineClientConfig.poll_interval_s`), so one worker can say `up` while another still says
+        `loading` for up to a second after the engine loaded. Ready here: every answer, each on a new connection,
+        says the engine is loaded for 3 s on end (three polls of every worker), and at least 10 of them."""
         deadline = time.monotonic() + timeout_s
-        while True:
+        in_a_row, since = 0, 0.0
+        while in_a_row < 10 or time.monotonic() - since < 3.0:
             assert self.process.poll() is None, "the gateway exited while starting"
             try:
-                if httpx.get(f"{self.url}/health/ready", timeout=5).status_code == 200:
-                    return
+                response = httpx.get(f"{self.url}/admin/engine", headers=ADMIN, timeout=5)
+                loaded = response.status_code == 200 and all(s["loaded"] for s in response.json()["data"])
+                ready = loaded and httpx.get(f"{self.url}/health/ready", timeout=5).status_code == 200
             except httpx.TransportError:
-                pass
+                ready = False
+            if ready and not in_a_row:
+                since = time.monotonic()
+            in_a_row = in_a_row + 1 if ready else 0
             assert time.monotonic() < deadline, "the gateway did not become ready"
-            time.sleep(0.05)
+            time.sleep(0.02 if ready else 0.05)
 
     def stop(self) -> int:
         self.process.send_signal(signal.SIGTERM)
