@@ -21,13 +21,13 @@ from typing import Any
 import pytest
 from fakes import engine_models
 from fakes.app import make_settings
+from fakes.engine_models import ScriptedSampler
 
 from auth.base import MasterKeyAccess
 from backends.local import LocalBackend, LocalBackendConfig
 from gateway.app import create_app
 from gateway.routing_config import parse_routing
 from local_engine.config import EngineConfig
-from local_engine.sampler import SamplerOutput
 
 ROOT = Path(__file__).resolve().parent.parent
 ANSWER = "Hello from the gateway."
@@ -75,27 +75,6 @@ def test_absent_clis_are_reported_without_loading_a_model(tmp_path: Path) -> Non
     ]
 
 
-class ScriptedSampler:
-    """Stands in for the engine's sampler: every sequence "samples" `token_ids`, then EOS; records each prompt."""
-
-    def __init__(self, token_ids: list[int], eos_token_id: int) -> None:
-        self.token_ids = token_ids
-        self.eos_token_id = eos_token_id
-        self.prompts: list[list[int]] = []
-
-    def __call__(self, logits: Any, seqs: list[Any]) -> SamplerOutput:
-        token_ids = []
-        for seq in seqs:
-            position = len(seq.token_ids) - seq.num_prompt_tokens
-            if position == 0:
-                self.prompts.append(seq.token_ids[: seq.num_prompt_tokens])
-            token_ids.append(self.token_ids[position] if position < len(self.token_ids) else self.eos_token_id)
-        return SamplerOutput(token_ids, [None] * len(seqs))
-
-    def forget(self, seq: Any) -> None:
-        pass
-
-
 @pytest.fixture
 def tiny_gateway(tiny_model_dir: Path, real_tokenizer: Any, tmp_path: Path) -> Iterator[tuple[Any, ScriptedSampler]]:
     # The tiny model's context is 256 tokens: room for the small configuration's prompt, not for Claude Code's own.
@@ -114,7 +93,7 @@ def tiny_gateway(tiny_model_dir: Path, real_tokenizer: Any, tmp_path: Path) -> I
     running = coding_agents.Gateway(app, "tiny").start(timeout_s=120)
     assert backend.engine is not None
     [eos] = real_tokenizer.eos_token_ids
-    sampler = ScriptedSampler(real_tokenizer.encode(ANSWER), eos)
+    sampler = ScriptedSampler(eos, real_tokenizer.encode(ANSWER))
     backend.engine.engine.sampler = sampler
     yield running, sampler
     running.stop()

@@ -18,13 +18,13 @@ import openai
 import pytest
 from fakes.access import RecordingAccess
 from fakes.app import MASTER, make_settings
+from fakes.engine_models import ScriptedSampler
 from fakes.server import ThreadedServer
 
 from backends.local import LocalBackend, LocalBackendConfig
 from gateway.app import create_app
 from gateway.routing_config import parse_routing
 from local_engine.config import EngineConfig
-from local_engine.sampler import SamplerOutput
 
 NAME = "tiny#0"
 BLOCK_SIZE = 16
@@ -50,28 +50,6 @@ SECOND_TURN_TAIL = (
     f"<|im_start|>user\n<tool_response>\n{TOOL_RESULT}\n</tool_response><|im_end|>\n"
     "<|im_start|>assistant\n"
 )
-
-
-class ScriptedSampler:
-    """Stands in for `local_engine.sampler.Sampler`: every sequence "samples" `token_ids`, then EOS. Records each
-    request's prompt."""
-
-    def __init__(self, eos_token_id: int) -> None:
-        self.eos_token_id = eos_token_id
-        self.token_ids: list[int] = []
-        self.prompts: list[list[int]] = []
-
-    def __call__(self, logits: Any, seqs: list[Any]) -> SamplerOutput:
-        token_ids = []
-        for seq in seqs:
-            position = len(seq.token_ids) - seq.num_prompt_tokens
-            if position == 0:
-                self.prompts.append(seq.token_ids[: seq.num_prompt_tokens])
-            token_ids.append(self.token_ids[position] if position < len(self.token_ids) else self.eos_token_id)
-        return SamplerOutput(token_ids, [None] * len(seqs))
-
-    def forget(self, seq: Any) -> None:
-        pass
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """Session fixtures with real engine parts, shared by the engine's and the local backend's tests: the bundled
-model's checkpoint and tokenizer, and a tiny random Llama saved as an HF directory with that tokenizer."""
+model's checkpoint and tokenizer, a tiny random Llama saved as an HF directory with that tokenizer, and a sampler
+whose output a test scripts."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from local_engine.sampler import SamplerOutput
 
 
 @pytest.fixture(scope="session")
@@ -46,3 +49,25 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, real_tokenizer: Any
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
     real_tokenizer.hf.save_pretrained(directory)
     return directory
+
+
+class ScriptedSampler:
+    """Stands in for `local_engine.sampler.Sampler`: every sequence "samples" `token_ids` (settable between
+    requests), then EOS. Records each request's prompt."""
+
+    def __init__(self, eos_token_id: int, token_ids: list[int] | None = None) -> None:
+        self.eos_token_id = eos_token_id
+        self.token_ids: list[int] = list(token_ids or [])
+        self.prompts: list[list[int]] = []
+
+    def __call__(self, logits: Any, seqs: list[Any]) -> SamplerOutput:
+        token_ids = []
+        for seq in seqs:
+            position = len(seq.token_ids) - seq.num_prompt_tokens
+            if position == 0:
+                self.prompts.append(seq.token_ids[: seq.num_prompt_tokens])
+            token_ids.append(self.token_ids[position] if position < len(self.token_ids) else self.eos_token_id)
+        return SamplerOutput(token_ids, [None] * len(seqs))
+
+    def forget(self, seq: Any) -> None:
+        pass
