@@ -62,22 +62,12 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
-        ops = self.ops
         k_scale, v_scale = self.k_scale, self.v_scale
-        ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, k_scale, v_scale)
+        self.ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, k_scale, v_scale)
         num_decode = meta.num_decode_tokens
         if num_decode == q.shape[0]:
-            return ops.paged_decode_attention(
-                q,
-                self.k_cache,
-                self.v_cache,
-                meta.decode_block_tables,
-                meta.decode_context_lens,
-                self.scale,
-                k_scale,
-                v_scale,
-            )
-        prefill = ops.paged_prefill_attention(
+            return self._decode(q, meta)
+        prefill = self.ops.paged_prefill_attention(
             q[num_decode:],
             self.k_cache,
             self.v_cache,
@@ -91,14 +81,17 @@ class Attention(nn.Module):
         )
         if num_decode == 0:
             return prefill
-        decode = ops.paged_decode_attention(
-            q[:num_decode],
+        return torch.cat((self._decode(q[:num_decode], meta), prefill), dim=0)
+
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The decode rows (one query token per sequence) over their blocks."""
+        return self.ops.paged_decode_attention(
+            q,
             self.k_cache,
             self.v_cache,
             meta.decode_block_tables,
             meta.decode_context_lens,
             self.scale,
-            k_scale,
-            v_scale,
+            self.k_scale,
+            self.v_scale,
         )
-        return torch.cat((decode, prefill), dim=0)
