@@ -95,6 +95,8 @@ class _CachedKey:
     expires_at_ms: int | None
     is_revoked: bool
     verified_at: float  # monotonic time of the last verification against Redis
+    # A budget or a TPM limit: the next admission (on any instance) reads what this key's settles write.
+    reads_its_settles: bool = False
 
     def check(self) -> None:
         """Raise if the cached record itself says no (used when Redis cannot be asked)."""
@@ -323,6 +325,9 @@ class RedisAccess:
             expires_at_ms=record.expires_at_ms,
             is_revoked=record.is_revoked,
             verified_at=time.monotonic(),
+            reads_its_settles=any(
+                limit is not None and limit >= 0 for limit in (record.tpm, record.token_budget, record.budget_micros)
+            ),
         )
         self._cache.pop(key_hash, None)
         if len(self._cache) >= _MAX_CACHED_KEYS:
@@ -465,7 +470,8 @@ class RedisAccess:
             reserved_tokens=scripts.clamp_tokens(estimated_tokens),
             lease_id=lease_id,
             headers=_headers(reply),
-            settles_late=reply.leases_remaining != 0,  # see Admission.settles_late
+            # See Admission.settles_late: a budget or TPM check reads the charge, the last free slot its lease.
+            settles_late=reply.leases_remaining != 0 and not cached.reads_its_settles,
             request_id=request_id,
         )
 

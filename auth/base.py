@@ -69,9 +69,10 @@ class Admission:
     headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* headers for the response
     is_settled: bool = False
     # The settle may complete after the response is sent: no later admission can depend on it finishing first
-    # (the master key; or a key whose concurrency limit still had a free slot). Same-instance admissions queue
-    # behind it on the one Redis connection anyway. False: the client waits for the settle (the lease it frees
-    # may be the one its next request needs, possibly on another instance).
+    # (the master key; or a key without a budget or TPM limit whose concurrency limit, if any, still had a free
+    # slot). Same-instance admissions queue behind it on the one Redis connection anyway. False: the client waits
+    # for the settle, because its next request, possibly on another instance, reads what it writes (the spend a
+    # budget checks, the true token count of a TPM window, or the lease of the last free slot).
     settles_late: bool = False
     request_id: str = ""  # the gateway's request id (x-request-id), for logs
 

@@ -304,6 +304,24 @@ async def test_only_the_last_free_concurrency_slot_makes_the_client_wait_for_the
     assert first.settles_late and not second.settles_late
 
 
+async def test_a_key_whose_next_admission_reads_its_settles_makes_the_client_wait_for_them(
+    make_access: Any, new_key: Any, store: KeyStore
+) -> None:
+    """A budget's spend and a TPM window's true count are written by the settle and read by the next admission,
+    which may run on another instance as soon as the client has this response: the client waits for them."""
+    access = await make_access()
+    for limits in ({"token_budget": 100}, {"budget_micros": 1_000_000}, {"tpm": 10_000}, {"tpm": 0, "max_concurrent": 5}):
+        _, secret = await new_key(**limits)
+        admission = await access.admit(secret, model="m", estimated_tokens=0)
+        assert not admission.settles_late, limits
+        await access.settle(admission, SettleUsage(1, 1))
+    key_id, secret = await new_key(rpm=10, max_concurrent=5)
+    assert (await access.admit(secret, model="m", estimated_tokens=1)).settles_late
+    # Adding a budget later is seen at the next admission (the record's version changed).
+    await store.update(key_id, {"token_budget": 50})
+    assert not (await access.admit(secret, model="m", estimated_tokens=1)).settles_late
+
+
 async def test_an_admission_after_a_queued_settle_sees_it_done(make_access: Any, new_key: Any) -> None:
     """The settle is not awaited, only queued: the next admit on this instance still finds the lease free."""
     access = await make_access()
