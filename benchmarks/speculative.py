@@ -1,6 +1,7 @@
 """Speculative decoding (n-gram prompt lookup, draft models) on the bundled SmolLM2-135M-Instruct, float32, on this CPU.
 
     python benchmarks/speculative.py              # 2 alternating rounds (several minutes on 2 cores)
+    python benchmarks/speculative.py --weights gguf   # decode projections on the GGUF's own Q8_0/Q4_1 blocks
     python benchmarks/speculative.py --rounds 3 --max-tokens 192
     python benchmarks/speculative.py --modes off,draft-bf16,draft-layers --rounds 1 --max-tokens 32 --batches 1
 
@@ -191,7 +192,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=160, help="output tokens per request (greedy)")
-    parser.add_argument("--batch1-requests", type=int, default=2, help="requests run one by one at batch 1")
+    parser.add_argument("--batch1-requests", type=int, default=8, help="requests run one by one at batch 1")
+    parser.add_argument(
+        "--weights",
+        choices=("float32", "gguf"),
+        default="float32",
+        help="float32: the GGUF dequantized, float32 panels (the issue's setting); gguf: the decode projections on "
+        "the file's own Q4_1/Q8_0 blocks (the CPU default for a GGUF)",
+    )
     parser.add_argument("--num-tokens", type=int)
     parser.add_argument("--ngram-min", type=int)
     parser.add_argument("--ngram-max", type=int)
@@ -205,8 +213,14 @@ def main() -> None:
     torch.manual_seed(0)
     checkpoint = load_checkpoint(bundled_model_path(), cache_dir=args.cache_dir, dtype=torch.float32)
     config = EngineConfig(
-        device="cpu", dtype="float32", kv_cache_memory=2**30, max_num_seqs=64, enable_prefix_caching=False
+        device="cpu",
+        dtype="float32",
+        kv_cache_memory=2**30,
+        max_num_seqs=64,
+        enable_prefix_caching=False,
+        cpu_gguf_blocks=args.weights == "gguf",
     )
+    print(f"weights: {args.weights}", flush=True)
     engine = LLMEngine.from_checkpoint(checkpoint, config)
     tokenizer = checkpoint.tokenizer
     workloads = {"edit": edit_prompts(tokenizer), "chat": chat_prompts(tokenizer)}

@@ -188,9 +188,11 @@ class SpeculativeConfig(BaseModel):
 
     # ngram: prompt lookup over the request's own prompt and output; draft: a draft model (`local_engine/draft.py`)
     method: Literal["off", "ngram", "draft"] = "off"
-    num_tokens: int = Field(default=4, ge=1, le=16)  # k: the most tokens proposed per sequence and step
-    ngram_max: int = Field(default=3, ge=1)  # the longest suffix looked up first...
-    ngram_min: int = Field(default=2, ge=1)  # ...then shorter ones, down to this
+    num_tokens: int = Field(default=8, ge=1, le=16)  # k: the most tokens proposed per sequence and step
+    # ngram: the longest repeated suffix is matched, comparing at most `ngram_max` tokens; a match shorter than
+    # `ngram_min` proposes nothing
+    ngram_max: int = Field(default=16, ge=1)
+    ngram_min: int = Field(default=2, ge=1)
     # Speculate only while at most this many sequences run; a larger batch decodes normally.
     max_num_seqs: int = Field(default=4, ge=1)
     # draft: a checkpoint with the target's vocabulary (HF directory or .gguf); None = the target's own weights...

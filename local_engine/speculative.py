@@ -13,11 +13,12 @@ proper). `Scheduler.postprocess` appends the accepted tokens and rolls the KV ba
 block manager frees the blocks past the last computed token; only full, computed blocks get a prefix-cache hash);
 `Speculator.record` lets the proposer roll its own state back the same way.
 
-Proposal lengths adapt per sequence (`Speculator.record`): a fully accepted proposal lengthens the next one by one
-(up to `num_tokens`), a partly accepted one shortens it to what was accepted plus one; after `MAX_MISSES`
-verifications in a row that accepted nothing the sequence stops proposing for `PAUSE_STEPS` steps, then tries a
-single token again. With more than `max_num_seqs` running sequences, no sequence proposes (the step decodes
-normally and keeps the fused CPU decode path).
+Proposal lengths: prompt lookup proposes at most 1.5 times the length of the suffix it matched (up to
+`num_tokens`); a draft's lengths adapt per sequence (`Speculator.record`): a fully accepted proposal lengthens the
+next one by one (up to `num_tokens`), a partly accepted one shortens it to what was accepted plus one. With either,
+after `MAX_MISSES` verifications in a row that accepted nothing the sequence stops proposing for `PAUSE_STEPS`
+steps, then tries again (a draft with a single token). With more than `max_num_seqs` running sequences, no sequence proposes (the step
+decodes normally and keeps the fused CPU decode path).
 
 Requests that never speculate: those with presence, frequency or repetition penalties (the penalty at each
 proposed position would depend on the proposals before it), and those still short of `min_tokens`.
@@ -26,6 +27,8 @@ proposed position would depend on the proposals before it), and those still shor
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from local_engine.config import SpeculativeConfig
 from local_engine.sequence import Sequence
@@ -42,6 +45,10 @@ PAUSE_STEPS = 16  # steps a paused sequence decodes normally before it proposes 
 class Proposer:
     """What the speculator asks of a proposer. A stateless one implements `propose` alone; one that keeps state
     per sequence (a draft model's KV cache) overrides the hooks, which do nothing here."""
+
+    # True: the speculator adapts each sequence's proposal length to its acceptance; False: the proposer picks the
+    # length itself, up to `num_tokens`. Either way a streak of misses pauses the sequence's proposals.
+    adapts_length = True
 
     def propose(self, seq: Sequence, num_tokens: int) -> list[int]:
         """Up to `num_tokens` guesses of the tokens that follow `seq.token_ids` (none: decode normally)."""
@@ -69,8 +76,13 @@ class Proposer:
 
 
 class NgramProposer(Proposer):
-    """Prompt lookup: the most recent earlier occurrence of the last `n` tokens (`n` from `max_n` down to
-    `min_n`) in the sequence's prompt and output; proposes the tokens that followed it."""
+    """Prompt lookup: the earlier occurrence of the sequence's longest repeated suffix (at least `min_n` and at most
+    `max_n` tokens; the most recent of equally long ones) in its prompt and output; proposes the tokens that
+    followed it, up to `num_tokens` and at most 1.5 times the matched length (a short match is a weak guess, and
+    every proposed token costs a row of the verifying step whether or not it is accepted). The length is its own
+    choice: the speculator only pauses it after a streak of misses (`adapts_length`)."""
+
+    adapts_length = False
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n = min_n
@@ -79,29 +91,26 @@ class NgramProposer(Proposer):
     def propose(self, seq: Sequence, num_tokens: int) -> list[int]:
         tokens = seq.token_ids
         length = len(tokens)
-        last = tokens[-1]
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            suffix = tokens[length - n :]
-            # Candidate ends: every earlier position holding the last token (scanned from the most recent).
-            end = length - 1
-            while True:
-                try:
-                    end = _rindex(tokens, last, end)
-                except ValueError:
-                    break
-                start = end - n + 1
-                if start >= 0 and tokens[start : end + 1] == suffix:
-                    return tokens[end + 1 : end + 1 + num_tokens]
-        return []
-
-
-def _rindex(tokens: list[int], value: int, stop: int) -> int:
-    """The last index < `stop` holding `value` (ValueError when none)."""
-    # list.index scans forward in C; searching a reversed copy would cost O(length) per call anyway.
-    for i in range(stop - 1, -1, -1):
-        if tokens[i] == value:
-            return i
-    raise ValueError(value)
+        if length < 2 or num_tokens <= 0:
+            return []
+        ids = np.fromiter(tokens, dtype=np.int64, count=length)
+        # Candidate ends of a match: every earlier position holding the last token; keep those whose match still
+        # holds one token further back, while any does.
+        ends = np.flatnonzero(ids[: length - 1] == ids[length - 1])
+        if ends.size == 0:
+            return []
+        n = 1
+        while n < self.max_n:
+            longer = ends[ends >= n]
+            longer = longer[ids[longer - n] == ids[length - 1 - n]]
+            if longer.size == 0:
+                break
+            ends = longer
+            n += 1
+        if n < self.min_n:
+            return []
+        end = int(ends[-1])
+        return tokens[end + 1 : end + 1 + min(num_tokens, max(1, n * 3 // 2))]
 
 
 class Speculator:
@@ -135,13 +144,15 @@ class Speculator:
         params = seq.params
         if params.has_penalties or seq.num_output_tokens < params.min_tokens:
             return 0
+        # The target's own token always follows the accepted ones: leave room for it.
+        room = min(seq.max_tokens - seq.num_output_tokens, max_model_len - len(seq.token_ids)) - 1
         if seq.num_spec_paused_steps:
             seq.num_spec_paused_steps -= 1
             return 0
+        if not self.proposer.adapts_length:
+            return min(self.config.num_tokens, room)
         if seq.num_spec_tokens < 0:
             seq.num_spec_tokens = self.config.num_tokens
-        # The target's own token always follows the accepted ones: leave room for it.
-        room = min(seq.max_tokens - seq.num_output_tokens, max_model_len - len(seq.token_ids)) - 1
         return min(seq.num_spec_tokens, room)
 
     def proposal_probs(self, seqs: list[Sequence]) -> list[torch.Tensor | None]:

@@ -27,7 +27,7 @@ def test_a_local_deployment_speculates_as_its_routing_entry_says(tmp_path: Path)
     config = local_config(entry, settings(tmp_path))
     assert config.engine.speculative.method == "ngram"
     assert (config.engine.speculative.num_tokens, config.engine.speculative.ngram_min) == (3, 1)
-    assert config.engine.speculative.ngram_max == 3  # unset fields keep their defaults
+    assert config.engine.speculative.ngram_max == 16  # unset fields keep their defaults
 
 
 def test_a_local_deployment_names_its_draft_model(tmp_path: Path) -> None:

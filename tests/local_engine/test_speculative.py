@@ -36,8 +36,8 @@ def test_ngram_finds_the_most_recent_longest_match() -> None:
     # "1 2 3" occurs at 0 (followed by 9) and at 5 (followed by 7 8): the most recent wins.
     assert proposer.propose(seq_of([1, 2, 3, 9, 0, 1, 2, 3, 7, 8, 5, 1, 2, 3]), 4) == [7, 8, 5, 1]
     assert proposer.propose(seq_of([1, 2, 3, 9, 0, 1, 2, 3, 7, 8, 5, 1, 2, 3]), 1) == [7]
-    # No 3- or 2-gram match: the 1-gram "3" (most recent earlier occurrence at 2) proposes what followed.
-    assert proposer.propose(seq_of([4, 5, 3, 6, 6, 8, 3]), 2) == [6, 6]
+    # No 3- or 2-gram match: the 1-gram "3" (most recent earlier occurrence at 2) proposes one token.
+    assert proposer.propose(seq_of([4, 5, 3, 6, 6, 8, 3]), 2) == [6]
     assert NgramProposer(min_n=2, max_n=3).propose(seq_of([4, 5, 3, 6, 6, 8, 3]), 2) == []
     assert proposer.propose(seq_of([1, 2, 3, 4]), 3) == []  # nothing repeats
     assert proposer.propose(seq_of([7]), 3) == []
@@ -45,9 +45,81 @@ def test_ngram_finds_the_most_recent_longest_match() -> None:
     assert proposer.propose(seq_of([5, 5, 5]), 3) == [5]
 
 
+def test_ngram_prefers_the_longest_match_to_the_most_recent() -> None:
+    # "8 1 2 3" (4 tokens) matched at 3..6 beats the more recent "1 2 3" at 9..11; at most max_n are compared.
+    tokens = [0, 0, 0, 8, 1, 2, 3, 4, 5, 1, 2, 3, 6, 9, 8, 1, 2, 3]
+    assert NgramProposer(min_n=2, max_n=16).propose(seq_of(tokens), 8) == [4, 5, 1, 2, 3, 6]
+    assert NgramProposer(min_n=2, max_n=3).propose(seq_of(tokens), 8) == [6, 9, 8, 1]
+
+
+def test_ngram_proposes_at_most_one_and_a_half_times_the_match() -> None:
+    prefix = list(range(100, 140))
+    for n in range(1, 12):
+        tokens = [7] + prefix[:n] + list(range(200, 230)) + [9] + prefix[:n]  # the n-token suffix matches once
+        got = NgramProposer(min_n=1, max_n=32).propose(seq_of(tokens), 16)
+        assert got == list(range(200, 200 + min(16, max(1, n * 3 // 2)))), n
+
+
+def test_ngram_against_a_reference_search() -> None:
+    """The vectorised search equals a plain one on random sequences with many repeats."""
+    rng = torch.Generator().manual_seed(3)
+
+    def reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+        best_n, best_end = 0, -1
+        for end in range(len(tokens) - 2, -1, -1):
+            n = 0
+            while n < max_n and end - n >= 0 and tokens[end - n] == tokens[len(tokens) - 1 - n]:
+                n += 1
+            if n > best_n:
+                best_n, best_end = n, end
+        if best_n < max(min_n, 1):
+            return []
+        return tokens[best_end + 1 : best_end + 1 + min(k, max(1, best_n * 3 // 2))]
+
+    for _ in range(300):
+        length = int(torch.randint(1, 60, (1,), generator=rng))
+        vocab = int(torch.randint(2, 6, (1,), generator=rng))
+        tokens = torch.randint(0, vocab, (length,), generator=rng).tolist()
+        min_n = int(torch.randint(1, 4, (1,), generator=rng))
+        max_n = min_n + int(torch.randint(0, 6, (1,), generator=rng))
+        k = int(torch.randint(1, 10, (1,), generator=rng))
+        assert NgramProposer(min_n, max_n).propose(seq_of(tokens), k) == reference(tokens, min_n, max_n, k), (
+            tokens,
+            min_n,
+            max_n,
+            k,
+        )
+
+
+def test_ngram_proposals_are_not_shortened_by_misses_but_a_streak_pauses_them() -> None:
+    """Prompt lookup picks its own length: a miss does not shorten the next proposal; a streak of misses pauses."""
+    config = SpeculativeConfig(method="ngram", num_tokens=4, ngram_min=1, max_num_seqs=2)
+    speculator = Speculator(config, NgramProposer(1, 16))
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8] * 4
+    seq = seq_of(tokens, num_prompt=len(tokens))
+    for accepted in [1, *[0] * MAX_MISSES]:
+        speculator.propose([seq], max_model_len=1000)
+        assert seq.spec_token_ids == [1, 2, 3, 4]
+        speculator.record(seq, 4, accepted)
+    for _ in range(PAUSE_STEPS):
+        speculator.propose([seq], max_model_len=1000)
+        assert seq.spec_token_ids == []
+    speculator.propose([seq], max_model_len=1000)
+    assert seq.spec_token_ids == [1, 2, 3, 4]
+    speculator.propose([seq], max_model_len=len(tokens) + 2)
+    assert seq.spec_token_ids == [1]  # room for the target's own token after the proposals
+
+
+class _Repeater(Proposer):
+    """A proposer whose length the speculator adapts (as a draft model's): proposes the sequence's own tokens."""
+
+    def propose(self, seq: Sequence, num_tokens: int) -> list[int]:
+        return seq.token_ids[:num_tokens]
+
+
 def test_proposals_respect_limits_and_adapt() -> None:
     config = SpeculativeConfig(method="ngram", num_tokens=4, ngram_min=1, max_num_seqs=2)
-    speculator = Speculator(config, NgramProposer(1, 3))
+    speculator = Speculator(config, _Repeater())
     tokens = [1, 2, 3, 4, 5, 6, 7, 8] * 4
     seq = seq_of(tokens, num_prompt=len(tokens))
     speculator.propose([seq], max_model_len=1000)

@@ -40,7 +40,7 @@ def other_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def draft_options(kind: str, directory: Path) -> dict[str, Any]:
-    base: dict[str, Any] = {"method": "draft", "max_num_seqs": 64}
+    base: dict[str, Any] = {"method": "draft", "max_num_seqs": 64, "num_tokens": 4}
     if kind == "other":  # a different model: low acceptance
         return {**base, "draft_model_path": str(directory)}
     if kind == "self-bf16":  # the target's own weights in bfloat16: high acceptance
