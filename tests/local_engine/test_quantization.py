@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from gateway.settings import Settings
 from local_engine.config import EngineConfig
 from local_engine.kernels import cpu as cpu_kernels
-from local_engine.layers.linear import QuantizedLinear
+from local_engine.layers.linear import GEMM_MIN_ROWS, QuantizedLinear
 from local_engine.quantization import (
     QuantizationSpec,
     QuantizedWeight,
@@ -95,6 +95,22 @@ def test_gguf_blocks_need_whole_blocks() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_block_panels_unpack_to_exactly_the_dequantized_weight(spec: QuantizationSpec) -> None:
+    for num_out, num_in in ((150, 576), (7, 64), (1536, 128)):
+        qw = quantize(weight_with_edge_rows(num_out, num_in, seed=num_out), spec)
+        blocks = to_gguf_blocks(qw)
+        if blocks is None:  # a group of 128 over K = 64: not whole blocks
+            continue
+        weight_format = cpu_kernels.BLOCK_FORMATS[blocks[0]]
+        panels = cpu_kernels.pack_block_weight(blocks[1], weight_format, num_in)
+        assert panels is not None
+        unpacked = cpu_kernels.unpack_block_weight(panels, weight_format, num_out, num_in)
+        assert unpacked is not None and torch.equal(unpacked, dequantize(qw))
+        assert cpu_kernels.unpack_block_weight(panels, weight_format, num_out + 1000, num_in) is None  # wrong shape
+
+
+@needs_kernel
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
 def test_the_cpu_kernel_equals_the_reference(spec: QuantizationSpec) -> None:
     generator = torch.Generator().manual_seed(11)
     w = torch.randn(150, 576, generator=generator) * 0.05
@@ -105,7 +121,8 @@ def test_the_cpu_kernel_equals_the_reference(spec: QuantizationSpec) -> None:
         with torch.no_grad():
             linear.bias.copy_(bias)
         assert (linear.panels is not None) == use_kernels and (linear.quantized is None) == use_kernels
-        for rows in (1, 3, 9, 96, 200):  # decode rows in registers, chunked, and prefill sizes
+        # decode rows in registers, chunked, prefill sizes, and a chunk large enough for the GEMM on the weight
+        for rows in (1, 3, 9, 96, 200, GEMM_MIN_ROWS + 5):
             x = torch.randn(rows, 580, generator=generator)[:, 4:]  # rows apart
             with torch.no_grad():
                 got = linear(x)

@@ -43,6 +43,7 @@ from local_engine.kernels.cpu.launch import (
     rms_norm,
     silu_and_mul,
     store_kv,
+    unpack_block_weight,
 )
 from local_engine.kernels.cpu.library import DecoderWeights, Kernel, is_available, load
 
@@ -64,4 +65,5 @@ __all__ = [
     "rms_norm",
     "silu_and_mul",
     "store_kv",
+    "unpack_block_weight",
 ]

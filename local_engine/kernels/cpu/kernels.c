@@ -967,6 +967,31 @@ static int linear_panels(const float *x, int64_t ldx, int64_t m, const uint8_t *
     return 0;
 }
 
+/* Block-format panels back to the float32 weight [n_dim][k_dim] (row-major), by dequantize_panel's arithmetic, a
+   block of 32 steps of K of one panel at a time through this thread's scratch: for calls with so many rows that a
+   GEMM library on the float weight outruns dequantizing inside the kernel. Nonzero when a scratch could not be had. */
+int unigate_unpack_blocks_f32(const uint8_t *packed, int format, int64_t n_dim, int64_t k_dim, float *out) {
+    const int64_t panels = (n_dim + LINEAR_PANEL - 1) / LINEAR_PANEL, bytes = panel_bytes(format, k_dim);
+    int failed = 0;
+#pragma omp parallel for reduction(| : failed) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        float *chunk = panel_scratch(32 * LINEAR_PANEL);
+        if (!chunk) {
+            failed = 1;
+            continue;
+        }
+        const int cols = n_dim - p * LINEAR_PANEL < LINEAR_PANEL ? (int)(n_dim - p * LINEAR_PANEL) : LINEAR_PANEL;
+        for (int64_t kb = 0; kb < k_dim / 32; kb++) {
+            dequantize_panel(format, packed + p * bytes + panel_bytes(format, kb * 32), 32, chunk);
+            for (int c = 0; c < cols; c++) {
+                float *row = out + (p * LINEAR_PANEL + c) * k_dim + kb * 32;
+                for (int i = 0; i < 32; i++) row[i] = chunk[i * LINEAR_PANEL + c];
+            }
+        }
+    }
+    return failed;
+}
+
 int unigate_linear_f32(const float *x, int64_t ldx, int64_t m, const uint8_t *packed, int format, int64_t n_dim,
                        int64_t k_dim, const float *bias, float *y) {
     int failed = 0;

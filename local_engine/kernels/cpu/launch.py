@@ -22,6 +22,7 @@ __all__ = [
     "linear",
     "pack_block_weight",
     "pack_linear_weight",
+    "unpack_block_weight",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
@@ -270,6 +271,25 @@ def pack_block_weight(blocks: np.ndarray, weight_format: int, num_in: int) -> to
     packed = np.concatenate(parts, axis=-1)
     assert packed.shape == (panels, num_blocks, _PANEL_BLOCK_BYTES[weight_format] * width)
     return torch.from_numpy(packed)
+
+
+def unpack_block_weight(packed: torch.Tensor, weight_format: int, num_out: int, num_in: int) -> torch.Tensor | None:
+    """The float32 weight [num_out, num_in] that block panels (`pack_block_weight`) stand for, exactly the values
+    the kernel dequantizes to (Q8_0 w = d * q; Q4_1 w = d * q + m); None when the kernel is unavailable or the
+    panels do not fit the shape."""
+    kernel = load()
+    block = _PANEL_BLOCK_BYTES.get(weight_format)
+    if kernel is None or block is None or num_in % 32 or packed.dim() != 3 or not packed.is_contiguous():
+        return None
+    width = kernel.panel_width
+    if packed.dtype != torch.uint8 or packed.shape[1:] != (num_in // 32, block * width):
+        return None
+    if not (packed.shape[0] - 1) * width < num_out <= packed.shape[0] * width:
+        return None
+    out = torch.empty((num_out, num_in), dtype=torch.float32)
+    if kernel.unpack_blocks(packed.data_ptr(), weight_format, num_out, num_in, out.data_ptr()):
+        return None
+    return out
 
 
 def linear(

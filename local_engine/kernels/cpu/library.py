@@ -74,6 +74,8 @@ SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "unigate_linear_panel_width": (_I, ()),
     # x, ldx, m, packed, format, n_dim, k_dim, bias, y
     "unigate_linear_f32": (_INT, (_P, _I, _I, _P, _INT, _I, _I, _P, _P)),
+    # packed, format, n_dim, k_dim, out
+    "unigate_unpack_blocks_f32": (_INT, (_P, _INT, _I, _I, _P)),
     # x, x_stride, residual, weight, out, out_stride, num_rows, dim, eps
     "unigate_rms_norm_f32": (None, (_P, _I, _P, _P, _P, _I, _I, _I, _F)),
     # x, x_stride, num_rows, inter
@@ -125,6 +127,7 @@ class Kernel:
     decode: Callable[..., Any]
     rotary: Callable[..., Any]
     linear: Callable[..., Any]
+    unpack_blocks: Callable[..., Any]
     rms_norm: Callable[..., Any]
     silu_and_mul: Callable[..., Any]
     store_kv: Callable[..., Any]
@@ -176,6 +179,7 @@ def load() -> Kernel | None:
         decode=functions["unigate_paged_decode_f32"],
         rotary=functions["unigate_rotary_f32"],
         linear=functions["unigate_linear_f32"],
+        unpack_blocks=functions["unigate_unpack_blocks_f32"],
         rms_norm=functions["unigate_rms_norm_f32"],
         silu_and_mul=functions["unigate_silu_and_mul_f32"],
         store_kv=functions["unigate_store_kv_f32"],
