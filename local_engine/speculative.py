@@ -17,8 +17,8 @@ Proposal lengths: prompt lookup proposes at most 1.5 times the length of the suf
 `num_tokens`); a draft's lengths adapt per sequence (`Speculator.record`): a fully accepted proposal lengthens the
 next one by one (up to `num_tokens`), a partly accepted one shortens it to what was accepted plus one. With either,
 after `MAX_MISSES` verifications in a row that accepted nothing the sequence stops proposing for `PAUSE_STEPS`
-steps, then tries again (a draft with a single token). With more than `max_num_seqs` running sequences, no sequence proposes (the step
-decodes normally and keeps the fused CPU decode path).
+steps, then tries again (a draft with a single token). With more than `max_num_seqs` running sequences, no
+sequence proposes (the step decodes normally and keeps the fused CPU decode path).
 
 Requests that never speculate: those with presence, frequency or repetition penalties (the penalty at each
 proposed position would depend on the proposals before it), and those still short of `min_tokens`.

@@ -310,7 +310,12 @@ async def test_a_key_whose_next_admission_reads_its_settles_makes_the_client_wai
     """A budget's spend and a TPM window's true count are written by the settle and read by the next admission,
     which may run on another instance as soon as the client has this response: the client waits for them."""
     access = await make_access()
-    for limits in ({"token_budget": 100}, {"budget_micros": 1_000_000}, {"tpm": 10_000}, {"tpm": 0, "max_concurrent": 5}):
+    for limits in (
+        {"token_budget": 100},
+        {"budget_micros": 1_000_000},
+        {"tpm": 10_000},
+        {"tpm": 0, "max_concurrent": 5},
+    ):
         _, secret = await new_key(**limits)
         admission = await access.admit(secret, model="m", estimated_tokens=0)
         assert not admission.settles_late, limits

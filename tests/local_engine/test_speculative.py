@@ -55,7 +55,7 @@ def test_ngram_prefers_the_longest_match_to_the_most_recent() -> None:
 def test_ngram_proposes_at_most_one_and_a_half_times_the_match() -> None:
     prefix = list(range(100, 140))
     for n in range(1, 12):
-        tokens = [7] + prefix[:n] + list(range(200, 230)) + [9] + prefix[:n]  # the n-token suffix matches once
+        tokens = [7, *prefix[:n], *range(200, 230), 9, *prefix[:n]]  # the n-token suffix matches once
         got = NgramProposer(min_n=1, max_n=32).propose(seq_of(tokens), 16)
         assert got == list(range(200, 200 + min(16, max(1, n * 3 // 2)))), n
 

@@ -22,12 +22,12 @@ __all__ = [
     "linear",
     "pack_block_weight",
     "pack_linear_weight",
-    "unpack_block_weight",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
     "silu_and_mul",
     "store_kv",
+    "unpack_block_weight",
 ]
 
 # Weight formats of the projection panels (`WEIGHTS_*` in kernels.c): float32, or a GGUF file's own blocks.
