@@ -73,11 +73,21 @@ def _static_file(name: str) -> bytes | None:
     return _read_file(package, path)
 
 
-def _secured(handler: Handler) -> Handler:
-    """Add the security headers to the handler's response, and to the error it raises (rendered further out)."""
+def _secured(handler: Handler, methods: tuple[str, ...] | None = None) -> Handler:
+    """Add the security headers to the handler's response, and to the error it raises (rendered further out). The
+    route takes every method and a method not in `methods` is refused here (405), so that refusal carries the
+    headers too (Starlette's own 405 is rendered before any handler runs)."""
+    allowed = None if methods is None else frozenset(methods) | ({"HEAD"} if "GET" in methods else set())
 
     async def wrapped(request: Request) -> Response:
         try:
+            if allowed is not None and request.method not in allowed:
+                raise GatewayError(
+                    f"{request.method} is not allowed on {request.url.path}.",
+                    code="method_not_allowed",
+                    status_code=405,
+                    headers={"allow": ", ".join(sorted(allowed))},
+                )
             response = await handler(request)
         except GatewayError as error:
             error.headers.update(SECURITY_HEADERS)
@@ -248,12 +258,16 @@ async def unknown(request: Request) -> Response:
     raise NotFoundError(f"The console has no page {request.url.path!r}; open /ui.", code="not_found")
 
 
+# Every route under /ui takes any method and refuses the wrong ones itself (`_secured`).
+_ANY_METHOD = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
+
 def console_routes() -> list[Route]:
     return [
-        Route("/ui", _secured(index), methods=["GET"]),
-        Route("/ui/static/{name}", _secured(static), methods=["GET"]),
-        Route("/ui/api/login", _secured(login), methods=["POST"]),
-        Route("/ui/api/session", _secured(current_session), methods=["GET"]),
-        Route("/ui/api/logout", _secured(logout), methods=["POST"]),
-        Route("/ui/{rest:path}", _secured(unknown)),  # so every /ui response carries the headers
+        Route("/ui", _secured(index, ("GET",)), methods=_ANY_METHOD),
+        Route("/ui/static/{name}", _secured(static, ("GET",)), methods=_ANY_METHOD),
+        Route("/ui/api/login", _secured(login, ("POST",)), methods=_ANY_METHOD),
+        Route("/ui/api/session", _secured(current_session, ("GET",)), methods=_ANY_METHOD),
+        Route("/ui/api/logout", _secured(logout, ("POST",)), methods=_ANY_METHOD),
+        Route("/ui/{rest:path}", _secured(unknown), methods=_ANY_METHOD),  # every /ui response carries the headers
     ]

@@ -105,6 +105,17 @@ async def test_pages_and_errors_under_ui_carry_the_strict_csp(app: Starlette) ->
         assert refused.status_code == 401 and error_code(refused) == "invalid_api_key"
         assert_secured(refused)
         assert SESSION_COOKIE not in refused.headers.get("set-cookie", "")
+        for method, path, allow in (
+            ("POST", "/ui", "GET, HEAD"),
+            ("DELETE", "/ui/static/app.js", "GET, HEAD"),
+            ("GET", "/ui/api/login", "POST"),
+            ("PUT", "/ui/api/logout", "POST"),
+        ):
+            wrong = await client.request(method, path)
+            assert wrong.status_code == 405 and error_code(wrong) == "method_not_allowed", (method, path)
+            assert wrong.headers["allow"] == allow
+            assert_secured(wrong)
+        assert (await client.head("/ui")).status_code == 200
 
 
 async def test_login_sets_an_httponly_strict_cookie_secure_only_over_https(app: Starlette) -> None:
