@@ -18,10 +18,11 @@ import httpx
 import pytest
 from fakes.app import MASTER
 from fakes.instances import gateway_instances
+from fakes.net import DelayingProxy
 from fakes.server import ThreadedServer
 from fakes.upstream import PROMPT_TOKENS, FakeUpstream
 
-from auth.redis_client import connect
+from auth.redis_client import connect, parse_redis_url
 
 ADMIN = {"authorization": f"Bearer {MASTER}"}
 COMPLETION_TOKENS = 3  # the fake's default num_chunks
@@ -117,6 +118,28 @@ async def test_token_budget_is_charged_with_the_reported_usage(
         assert "20 tokens spent of 20" in refused.json()["error"]["message"]
         usage = (await client.get(f"{a.url}/admin/usage", headers=ADMIN)).json()
     assert (usage["requests"], usage["total_tokens"]) == (2, 20)
+
+
+@pytest.mark.parametrize(("limits", "expected"), [({"token_budget": USED}, 429), ({"tpm": 2 * 9}, 429), ({}, 200)])
+async def test_the_next_request_on_another_instance_sees_the_charge_however_slow_the_first_instances_link(
+    redis_url: str, tmp_path: Path, fake_upstream: FakeUpstream, limits: dict[str, int], expected: int
+) -> None:
+    """Instance a reaches Redis through a link that holds everything it writes for 50 ms; b directly. A client
+    sends one request to a, then one to b as soon as it has the answer: b's admission must count a's charge (a
+    budget of one request's usage is then spent; a TPM of two reservations, 9 each, no longer fits after the
+    first request's real 10). A key without such limits need not wait for its charge, and is served again."""
+    if parse_redis_url(redis_url).kind != "standalone":
+        pytest.skip("the delaying link stands in front of one Redis server")
+    host, port = redis_url.removeprefix("redis://").split("/")[0].rsplit(":", 1)
+    deployment = {"type": "openai", "base_url": fake_upstream.base_url, "api_key": "sk-up"}
+    models = [{"id": "gpt-test", "deployments": [deployment]}]
+    with DelayingProxy(host, int(port), delay_s=0.05) as proxy:
+        slow_url = redis_url.replace(f"{host}:{port}", f"127.0.0.1:{proxy.port}")
+        with gateway_instances([slow_url, redis_url], tmp_path, models) as (a, b):
+            async with httpx.AsyncClient(timeout=30) as client:
+                _, user = await create_key(client, b.url, **limits)
+                assert await send(client, a.url, "chat", user, stream=False) == 200
+                assert await send(client, b.url, "chat", user, stream=False) == expected
 
 
 async def test_usage_is_exact_for_concurrent_clients_of_every_family(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -19,19 +19,24 @@ __all__ = ["gateway_instances"]
 
 @contextmanager
 def gateway_instances(
-    redis_url: str, directory: Path, models: list[dict[str, Any]], names: tuple[str, ...] = ("a", "b")
+    redis_url: str | Sequence[str],
+    directory: Path,
+    models: list[dict[str, Any]],
+    names: tuple[str, ...] = ("a", "b"),
 ) -> Iterator[list[ThreadedServer]]:
-    """`with gateway_instances(redis_url, tmp_path, models) as (a, b):` — each instance has its own data dir."""
+    """`with gateway_instances(redis_url, tmp_path, models) as (a, b):` — each instance has its own data dir; a
+    sequence of URLs gives each instance its own way to the same Redis (e.g. one through a `DelayingProxy`)."""
+    urls = [redis_url] * len(names) if isinstance(redis_url, str) else list(redis_url)
     routing = directory / "unigate.yaml"
     routing.write_text(yaml.safe_dump({"models": models}))
     servers = []
     try:
-        for name in names:
+        for name, url in zip(names, urls, strict=True):
             settings = Settings(
                 _env_file=None,  # type: ignore[call-arg]
                 config=routing,
                 master_key=MASTER,  # type: ignore[arg-type]
-                redis_url=redis_url,
+                redis_url=url,
                 data_dir=directory / name,
                 engine={"enabled": False},  # type: ignore[arg-type]
                 health_probe_interval_s=0,
