@@ -65,7 +65,7 @@ __all__ = [
 # on, where a prefill chunk's GEMM is compute-bound, neither leads everywhere and oneDNN keeps them).
 NATIVE_MAX_ROWS = 96
 # From this many rows on, a quantized projection (`QuantizedLinear`) dequantizes its whole weight for the call and
-# runs oneDNN's GEMM on it: at a prefill chunk's 2,048 rows that is 1.2-1.3x faster than dequantizing inside the
+# runs oneDNN's GEMM on it: at a prefill chunk's 2,048 rows that is 1.1-1.5x faster than dequantizing inside the
 # native kernel, whose float32 micro-kernel trails oneDNN's once the GEMM is compute-bound.
 GEMM_MIN_ROWS = 1024
 
