@@ -45,7 +45,7 @@ def test_a_projection_equals_the_float32_panels_bit_for_bit(kind: str, num_out: 
     assert packed is not None and panels is not None and packed.dtype == torch.uint8
     assert packed.numel() < panels.numel() * 4 / 3  # 24 or 36 bytes per 32 weights, against 128
     bias = torch.randn(num_out, generator=generator)
-    for rows in (1, 2, 3, 4, 5, 8, 9, 33):  # every in-register row tile (up to 8), then the chunked path
+    for rows in (1, 2, 3, 4, 5, 8, 9, 12, 13, 33, 40):  # in-register row tiles (one or several), then chunked
         x = torch.randn(rows, num_in + 5, generator=generator)[:, 5:]  # rows apart, as a slice of a fused output
         for b in (None, bias):
             got = cpu_kernels.linear(x, packed, num_out, b, weight_format)

@@ -808,11 +808,20 @@ static void dequantize_panel(int format, const uint8_t *src, int64_t k_dim, floa
     }
 }
 
-/* Up to one row tile (decode batches of a few sequences), a block-format panel is dequantized in registers, a
-   block of 32 steps of K at a time, straight into the tile's FMAs: at a few rows, the L1 chunk's stores and
+/* Up to a few row tiles (decode batches of a few sequences), a block-format panel is dequantized in registers, a
+   block of 32 steps of K at a time, straight into each tile's FMAs: at a few rows, the L1 chunk's stores and
    reloads cost more than the FMAs they feed. The same dequantization and the same FMAs per accumulator in the same
    order as dequantize_panel + linear_tile, so the result is the chunked path's bit for bit. */
+#ifdef __AVX512F__
 #define REGISTER_ROWS LINEAR_ROWS
+#else
+/* AVX2 has 16 vector registers: 4 rows x 3 accumulators, the 3 dequantized weight vectors and their scales spill
+   (4 rows cost 1.6x 3 rows), so a tile holds 3 rows. */
+#define REGISTER_ROWS 3
+#endif
+/* Up to this many rows (a decode batch, or a speculative verification of 1 + k rows) the register tiles run one
+   after another over each panel, re-dequantizing it from L1 per tile, instead of going through the scratch chunk. */
+#define REGISTER_MAX_ROWS (4 * REGISTER_ROWS)
 
 static inline __attribute__((always_inline)) void block_tile(const int rows, const int format, const float *x,
                                                              int64_t ldx, const uint8_t *panel, int64_t k_dim,
@@ -868,15 +877,16 @@ static inline __attribute__((always_inline)) void block_tile(const int rows, con
 }
 
 #define BLOCK_TILE(n, f) \
-    case n: block_tile(n, f, x, ldx, packed + p * bytes, k_dim, y + p * LINEAR_PANEL, n_dim, cols_out, b, next); break;
-#define BLOCK_TILES(f)                                                  \
-    switch ((int)m) {                                                   \
-        BLOCK_TILE(1, f) BLOCK_TILE(2, f) BLOCK_TILE(3, f) BLOCK_TILE(4, f) \
-        BLOCK_TILES_WIDE(f)                                             \
-        default: break;                                                 \
+    case n: block_tile(n, f, xr, ldx, packed + p * bytes, k_dim, yr + p * LINEAR_PANEL, n_dim, cols_out, b, next); break;
+#define BLOCK_TILES(f, rows)                                              \
+    switch (rows) {                                                       \
+        BLOCK_TILE(1, f) BLOCK_TILE(2, f) BLOCK_TILE(3, f) BLOCK_TILES_WIDE(f) \
+        default: break;                                                   \
     }
-#if LINEAR_ROWS > 4
-#define BLOCK_TILES_WIDE(f) BLOCK_TILE(5, f) BLOCK_TILE(6, f) BLOCK_TILE(7, f) BLOCK_TILE(8, f)
+#if REGISTER_ROWS > 4
+#define BLOCK_TILES_WIDE(f) BLOCK_TILE(4, f) BLOCK_TILE(5, f) BLOCK_TILE(6, f) BLOCK_TILE(7, f) BLOCK_TILE(8, f)
+#elif REGISTER_ROWS > 3
+#define BLOCK_TILES_WIDE(f) BLOCK_TILE(4, f)
 #else
 #define BLOCK_TILES_WIDE(f)
 #endif
@@ -905,8 +915,8 @@ static float *panel_scratch(int64_t floats) {
 
 /* The panels of one projection, a contiguous range per thread of the enclosing parallel region (no barrier at
    the end: a caller that reads y next waits for the other threads itself). F32 panels are read in place, each
-   row tile over the whole of K. Up to REGISTER_ROWS rows, a block-format panel is dequantized in registers
-   (block_tile); beyond, DEQUANT_K steps of K at a time into this thread's scratch, every row tile running over
+   row tile over the whole of K. Up to REGISTER_MAX_ROWS rows, a block-format panel is dequantized in registers
+   by each tile of REGISTER_ROWS rows in turn (block_tile); beyond, DEQUANT_K steps of K at a time into this thread's scratch, every row tile running over
    that chunk with its partial sums kept in the scratch between chunks (float32 in memory: the sums are the same
    as in registers), then written out. Returns nonzero when the scratch could not be allocated (this thread's
    outputs are then not written). */
@@ -916,7 +926,7 @@ static int linear_panels(const float *x, int64_t ldx, int64_t m, const uint8_t *
     const int64_t tiles = (m + LINEAR_ROWS - 1) / LINEAR_ROWS;
     /* bytes of the next panel to prefetch per K step of each tile: the whole panel over all the tiles */
     const int64_t step = tiles ? (bytes / k_dim + tiles - 1) / tiles : 0;
-    const int blocks = format != WEIGHTS_F32, in_registers = blocks && m <= REGISTER_ROWS;
+    const int blocks = format != WEIGHTS_F32, in_registers = blocks && m <= REGISTER_MAX_ROWS;
     float *scratch = blocks && !in_registers ? panel_scratch((DEQUANT_K + tiles * LINEAR_ROWS) * LINEAR_PANEL) : 0;
     if (blocks && !in_registers && !scratch) return 1;
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
@@ -925,11 +935,17 @@ static int linear_panels(const float *x, int64_t ldx, int64_t m, const uint8_t *
         const int cols_out = n_dim - p * LINEAR_PANEL < LINEAR_PANEL ? (int)(n_dim - p * LINEAR_PANEL) : LINEAR_PANEL;
         if (in_registers) {
             const float *b = bias ? bias + p * LINEAR_PANEL : 0;
-            const char *next = p + 1 < last ? (const char *)(packed + (p + 1) * bytes) : 0;
-            if (format == WEIGHTS_Q4_1) {
-                BLOCK_TILES(WEIGHTS_Q4_1)
-            } else {
-                BLOCK_TILES(WEIGHTS_Q8_0)
+            for (int64_t r = 0; r < m; r += REGISTER_ROWS) {
+                /* the first tile streams the panel in (and prefetches the next); later ones find it in L1 */
+                const char *next = r == 0 && p + 1 < last ? (const char *)(packed + (p + 1) * bytes) : 0;
+                const float *xr = x + r * ldx;
+                float *yr = y + r * n_dim;
+                const int rows = m - r < REGISTER_ROWS ? (int)(m - r) : REGISTER_ROWS;
+                if (format == WEIGHTS_Q4_1) {
+                    BLOCK_TILES(WEIGHTS_Q4_1, rows)
+                } else {
+                    BLOCK_TILES(WEIGHTS_Q8_0, rows)
+                }
             }
             continue;
         }
