@@ -1,4 +1,5 @@
-"""The engine on the Triton kernels (Triton's interpreter on CPU) produces the torch backend's greedy tokens.
+"""The engine on the Triton kernels (Triton's interpreter on CPU) produces the torch backend's greedy tokens, also
+with speculative decoding verifying proposals on them.
 
 Runs in a subprocess so TRITON_INTERPRET=1 is set before triton is imported, whatever else the session imported.
 """
@@ -37,6 +38,15 @@ for name in ("llama3", "qwen2", "qwen3"):
     )
     got = [c[0].token_ids for c in engine.generate(prompts, params)]
     assert got == expected, (name, "padded", got, expected)
+# Speculative verification (1 + k decode rows per sequence, context lengths growing by one) on the Triton kernels.
+model = tiny_model("llama3")
+params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+repeats = [[7, 8, 9, 10] * 6, [11, 12, 13] * 7, prompts[1]]
+expected = [c[0].token_ids for c in model.engine(attention_backend="torch").generate(repeats, params)]
+engine = model.engine(attention_backend="triton", speculative={{"method": "ngram", "ngram_min": 1, "max_num_seqs": 64}})
+got = [c[0].token_ids for c in engine.generate(repeats, params)]
+assert got == expected, ("speculative", got, expected)
+assert engine.stats()["spec_proposed_tokens_total"] > 0
 print("ok")
 """
 
