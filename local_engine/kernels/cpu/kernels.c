@@ -916,8 +916,8 @@ static float *panel_scratch(int64_t floats) {
 /* The panels of one projection, a contiguous range per thread of the enclosing parallel region (no barrier at
    the end: a caller that reads y next waits for the other threads itself). F32 panels are read in place, each
    row tile over the whole of K. Up to REGISTER_MAX_ROWS rows, a block-format panel is dequantized in registers
-   by each tile of REGISTER_ROWS rows in turn (block_tile); beyond, DEQUANT_K steps of K at a time into this thread's scratch, every row tile running over
-   that chunk with its partial sums kept in the scratch between chunks (float32 in memory: the sums are the same
+   by each tile of REGISTER_ROWS rows in turn (block_tile); beyond, DEQUANT_K steps of K at a time into this
+   thread's scratch, every row tile running over that chunk with its partial sums kept in the scratch between chunks (float32 in memory: the sums are the same
    as in registers), then written out. Returns nonzero when the scratch could not be allocated (this thread's
    outputs are then not written). */
 static int linear_panels(const float *x, int64_t ldx, int64_t m, const uint8_t *packed, int format, int64_t n_dim,

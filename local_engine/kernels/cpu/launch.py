@@ -273,18 +273,29 @@ def pack_block_weight(blocks: np.ndarray, weight_format: int, num_in: int) -> to
     return torch.from_numpy(packed)
 
 
+def _panels_fit(packed: torch.Tensor, weight_format: int, num_out: int, num_in: int, kernel: Kernel) -> bool:
+    """Whether `packed` holds [num_out, num_in] in `weight_format`'s panels, as `pack_linear_weight` or
+    `pack_block_weight` lay them out."""
+    width = kernel.panel_width
+    if packed.dim() != 3 or not packed.is_contiguous():
+        return False
+    if weight_format == WEIGHTS_F32:
+        fits = packed.dtype == torch.float32 and packed.shape[1:] == (num_in, width)
+    else:
+        block = _PANEL_BLOCK_BYTES.get(weight_format)
+        fits = block is not None and packed.dtype == torch.uint8 and packed.shape[1:] == (num_in // 32, block * width)
+        fits = fits and num_in % 32 == 0
+    return fits and (packed.shape[0] - 1) * width < num_out <= packed.shape[0] * width
+
+
 def unpack_block_weight(packed: torch.Tensor, weight_format: int, num_out: int, num_in: int) -> torch.Tensor | None:
     """The float32 weight [num_out, num_in] that block panels (`pack_block_weight`) stand for, exactly the values
     the kernel dequantizes to (Q8_0 w = d * q; Q4_1 w = d * q + m); None when the kernel is unavailable or the
     panels do not fit the shape."""
     kernel = load()
-    block = _PANEL_BLOCK_BYTES.get(weight_format)
-    if kernel is None or block is None or num_in % 32 or packed.dim() != 3 or not packed.is_contiguous():
+    if kernel is None or weight_format == WEIGHTS_F32:
         return None
-    width = kernel.panel_width
-    if packed.dtype != torch.uint8 or packed.shape[1:] != (num_in // 32, block * width):
-        return None
-    if not (packed.shape[0] - 1) * width < num_out <= packed.shape[0] * width:
+    if not _panels_fit(packed, weight_format, num_out, num_in, kernel):
         return None
     out = torch.empty((num_out, num_in), dtype=torch.float32)
     if kernel.unpack_blocks(packed.data_ptr(), weight_format, num_out, num_in, out.data_ptr()):
@@ -305,18 +316,9 @@ def linear(
     kernel = load()
     if kernel is None or not _rows(x, bias) or packed.dim() != 3:
         return None
-    num_in, width = x.shape[1], kernel.panel_width
-    if weight_format == WEIGHTS_F32:
-        fits = packed.dtype == torch.float32 and packed.shape[1:] == (num_in, width)
-    else:
-        block = _PANEL_BLOCK_BYTES.get(weight_format)
-        fits = block is not None and packed.dtype == torch.uint8 and packed.shape[1:] == (num_in // 32, block * width)
-        fits = fits and num_in % 32 == 0
-    if (
-        not fits
-        or not packed.is_contiguous()
-        or not (packed.shape[0] - 1) * width < num_out <= packed.shape[0] * width
-        or (bias is not None and bias.shape != (num_out,))
+    num_in = x.shape[1]
+    if not _panels_fit(packed, weight_format, num_out, num_in, kernel) or (
+        bias is not None and bias.shape != (num_out,)
     ):
         return None
     num_rows = x.shape[0]
