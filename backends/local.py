@@ -93,7 +93,13 @@ def load_engine(config: LocalBackendConfig) -> AsyncEngine:
         quantization_group_size=config.engine.quantization_group_size,
     )
     engine = LLMEngine.from_checkpoint(checkpoint, config.engine, cache_dir=config.cache_dir)
-    if config.engine.quantization_check:  # served vs float32 perplexity on the evaluation text (a few seconds)
+    if config.engine.quantization_check and engine.checkpoint_quantization is not None:
+        logger.info(
+            "quantization check skipped: the checkpoint comes quantized (%s), so there are no float weights to "
+            "compare with; check the float checkpoint with UNIGATE_ENGINE__QUANTIZATION=int4 instead",
+            engine.checkpoint_quantization,
+        )
+    elif config.engine.quantization_check:  # served vs float32 perplexity on the evaluation text (a few seconds)
         from local_engine.perplexity import check_quality
 
         path = config.model_path or bundled_model_path()

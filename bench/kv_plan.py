@@ -179,11 +179,13 @@ class _Counted:
     dtype: str  # the dtype(s) the counted tensors are stored in, e.g. "float32"
 
 
-def _safetensors_params(folder: Path) -> _Counted | None:
+def _safetensors_params(folder: Path, packed_bits: int | None = None) -> _Counted | None:
     """Parameters and bytes over the `*.safetensors` headers in a folder; None if there are none.
 
     A tensor name stored twice (unigate's weights cache keeps a GGUF's quantised blocks as raw bytes beside the
-    dequantised weights, under the same names) counts once, as its unpacked copy."""
+    dequantised weights, under the same names) counts once, as its unpacked copy. With `packed_bits` (a GPTQ / AWQ
+    checkpoint's `quantization_config.bits`) each int32 of a `*.qweight` holds 32 / bits parameters, and its
+    `qzeros`, `scales` and `g_idx` count as bytes only."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         return None
@@ -199,8 +201,16 @@ def _safetensors_params(folder: Path) -> _Counted | None:
             if seen is None or (seen["dtype"] in _PACKED_DTYPES and tensor["dtype"] not in _PACKED_DTYPES):
                 tensors[name] = tensor
     dtypes = sorted({str(t["dtype"]) for t in tensors.values()})
+
+    def params(name: str, tensor: dict[str, Any]) -> int:
+        if packed_bits is None:
+            return math.prod(tensor["shape"])
+        if name.endswith(".qweight"):
+            return math.prod(tensor["shape"]) * 32 // packed_bits
+        return 0 if name.endswith((".qzeros", ".scales", ".g_idx")) else math.prod(tensor["shape"])
+
     return _Counted(
-        num_params=sum(math.prod(t["shape"]) for t in tensors.values()),
+        num_params=sum(params(name, t) for name, t in tensors.items()),
         num_bytes=sum(t["data_offsets"][1] - t["data_offsets"][0] for t in tensors.values()),
         dtype="+".join(_SAFETENSORS_DTYPES.get(d, d.lower()) for d in dtypes),
     )
@@ -217,7 +227,9 @@ def from_hf_config(path: Path) -> ModelShape:
         raise ValueError(f"{config_path} has no {exc.args[0]!r}: is it a transformer's config.json?") from None
     num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)
-    counted = _safetensors_params(config_path.parent)
+    quantized = raw.get("quantization_config")
+    bits = quantized.get("bits") if isinstance(quantized, dict) else None
+    counted = _safetensors_params(config_path.parent, bits if isinstance(bits, int) and 0 < bits <= 8 else None)
     num_params = counted.num_params if counted else _estimate_params(cfg, head_dim, num_heads, num_kv_heads)
     return ModelShape(
         name=str(raw.get("_name_or_path") or cfg.get("model_type") or config_path.parent.name),

@@ -103,6 +103,8 @@ class LLMEngine:
                 engine_config, model_config, self.capacity, state_dict, block_weights, cache_dir=cache_dir
             )
         self.speculator = build_speculator(engine_config.speculative, draft)
+        # what a pre-quantized checkpoint said it is (e.g. "gptq int4 g128"); None when the engine quantized it
+        self.checkpoint_quantization: str | None = None
 
     def _build_scheduling(self) -> tuple[BlockManager, Scheduler, Sampler]:
         config = self.engine_config
@@ -131,10 +133,15 @@ class LLMEngine:
     ) -> LLMEngine:
         """From `local_engine.loader.Checkpoint` (hf_config, state_dict, tokenizer)."""
         model_config = ModelConfig.from_hf_config(checkpoint.hf_config)
+        declared = checkpoint.hf_config.get("unigate_quantization")
+        if declared and engine_config.quantization == "none":  # a pre-quantized checkpoint (`prequantized.py`)
+            engine_config = engine_config.model_copy(
+                update={"quantization": declared["method"], "quantization_group_size": declared["group_size"]}
+            )
         _warn_sliding_window(str(getattr(checkpoint, "source", "the checkpoint")), model_config, engine_config)
         tokenizer = checkpoint.tokenizer
         eos = frozenset(model_config.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()))
-        return cls(
+        engine = cls(
             model_config,
             engine_config,
             checkpoint.state_dict,
@@ -143,6 +150,8 @@ class LLMEngine:
             block_weights=getattr(checkpoint, "blocks", None),
             cache_dir=cache_dir,
         )
+        engine.checkpoint_quantization = declared.get("checkpoint") if declared else None
+        return engine
 
     @property
     def max_model_len(self) -> int:
@@ -480,6 +489,8 @@ class LLMEngine:
             "dtype": self.runner.dtype_name,
             "kv_cache_dtype": self.runner.kv_dtype_name,  # capacity: its bytes per token and what fits
             "quantization": self.engine_config.quantization,  # weight-only: none, int8 or int4 (at load time)
+            # a pre-quantized checkpoint's own (GPTQ / AWQ / auto-round), e.g. "awq int4 g128"; else None
+            "checkpoint_quantization": self.checkpoint_quantization,
             "attention_backend": self.runner.attention_backend,
             "ops": self.runner.ops_name,  # torch_ops, cpu_ops (native CPU kernels) or kernels (Triton)
             "fused_cpu_decode": self.runner.cpu_decoder is not None,  # decode steps in one native call (CPU)

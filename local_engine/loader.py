@@ -7,6 +7,9 @@ A Hugging Face directory is read as it is (`config.json`, `*.safetensors` single
 with a `cache_dir` the converted checkpoint is written there once and later loads read it like a directory.
 With `quantization` (int8 / int4: `local_engine/quantization.py`), either kind is quantized from its float32
 weights, and with a `cache_dir` the quantized checkpoint is cached too (its own entry), so a restart reads it.
+A directory already quantized (4-bit GPTQ, AWQ, auto-round: `quantization_config` in its `config.json`) has its
+packed weights read into the same int4 format (`local_engine/prequantized.py`) and its config says so
+(`unigate_quantization`), which the engine then serves without `quantization` set.
 
 `hf_config` is normalised so the engine reads one shape whatever wrote the file: `rope_theta` and `rope_scaling`
 at top level (transformers 5 writes them inside `rope_parameters`), `head_dim`, `num_key_value_heads` and
@@ -28,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from local_engine import prequantized
 from local_engine import quantization as quant
 from local_engine.errors import CheckpointError
 from local_engine.tokenizer import Tokenizer
@@ -93,6 +97,14 @@ def load_checkpoint(
     blocks: dict[str, tuple[str, np.ndarray]] = {}
     if quantization not in ("none", "int8", "int4"):
         raise ValueError(f"quantization must be none, int8 or int4, got {quantization!r}")
+    if quantization != "none" and source.is_dir() and (source / "config.json").is_file():
+        packed = prequantized.packed_format(_read_json(source / "config.json"), source)
+        if packed is not None:
+            raise CheckpointError(
+                f"{source} is already quantized ({packed.tag}); set UNIGATE_ENGINE__QUANTIZATION=none (or the "
+                "deployment's quantization: none) to serve its own weights, or point it at the float checkpoint.",
+                code="checkpoint_unsupported",
+            )
     if quantization != "none" and (source.is_dir() or source.is_file()):
         spec = quant.QuantizationSpec("int8" if quantization == "int8" else "int4", quantization_group_size)
         config, state_dict, tokenizer, from_cache = _load_quantized(source, cache_dir, dtype, spec)
@@ -244,7 +256,14 @@ def _load_hf_directory(
             code="checkpoint_not_found",
         )
     raw_config = _read_json(config_path)
+    packed = prequantized.packed_format(raw_config, directory)  # CheckpointError if not servable
     state_dict = _read_safetensors(directory, dtype)
+    if packed is not None:  # GPTQ / AWQ / auto-round 4-bit weights -> the engine's int4 tensors
+        state_dict, group_size = prequantized.convert(state_dict, packed, directory)
+        raw_config = {
+            **raw_config,
+            "unigate_quantization": {"method": "int4", "group_size": group_size, "checkpoint": packed.tag},
+        }
     config = normalize_hf_config(raw_config, state_dict, directory)
     generation_path = directory / "generation_config.json"
     generation = _read_json(generation_path) if generation_path.is_file() else {}

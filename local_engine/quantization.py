@@ -31,6 +31,7 @@ __all__ = [
     "QuantizationSpec",
     "QuantizedWeight",
     "dequantize",
+    "fp16_exact",
     "quantize",
     "quantize_state_dict",
     "reference_linear",
@@ -100,7 +101,7 @@ class QuantizedWeight:
         )
 
 
-def _fp16_exact(values: torch.Tensor) -> torch.Tensor:
+def fp16_exact(values: torch.Tensor) -> torch.Tensor:
     """Rounded to the nearest float16 (kept as float32), so Q8_0 / Q4_1 blocks hold them exactly."""
     return values.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16).to(torch.float32)
 
@@ -115,7 +116,7 @@ def quantize(weight: torch.Tensor, spec: QuantizationSpec) -> QuantizedWeight:
 
 
 def _quantize_int8(w: torch.Tensor) -> QuantizedWeight:
-    scales = _fp16_exact(w.abs().amax(dim=1) / 127.0)
+    scales = fp16_exact(w.abs().amax(dim=1) / 127.0)
     # float16 rounding may put the largest weight a hair past 127 steps: clamp (its error stays under half a step)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round(w / safe[:, None]).clamp(-127, 127).to(torch.int8)
@@ -128,8 +129,8 @@ def _quantize_int4(w: torch.Tensor, group_size: int) -> QuantizedWeight:
     # A short last group is padded with copies of its last weight: they never widen its range past its values.
     padded = torch.cat((w, w[:, -1:].expand(num_out, num_groups * group_size - num_in)), dim=1)
     grouped = padded.view(num_out, num_groups, group_size)
-    mins = _fp16_exact(grouped.amin(dim=2))
-    scales = _fp16_exact((grouped.amax(dim=2) - mins) / 15.0)
+    mins = fp16_exact(grouped.amin(dim=2))
+    scales = fp16_exact((grouped.amax(dim=2) - mins) / 15.0)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round((grouped - mins[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8)
     q = q.view(num_out, -1)[:, :num_in]

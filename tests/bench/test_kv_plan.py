@@ -116,6 +116,17 @@ def test_a_weights_cache_entry_counts_each_weight_once(tmp_path: Path) -> None:
     assert "(as stored in the file, float32: 144 B)" in shown.output and "None" not in shown.output
 
 
+def test_a_gptq_checkpoint_counts_its_packed_parameters() -> None:
+    """A GPTQ folder (tests/local_engine/loading/prequantized/, auto-round 0.16.1): each int32 of a qweight holds 8
+    4-bit weights; qzeros, scales and g_idx are bytes, not parameters. The float model it came from has 107,712."""
+    folder = Path(__file__).parents[1] / "local_engine" / "loading" / "prequantized" / "gptq-w4g32"
+    shape = from_hf_config(folder)
+    assert shape.num_params == 107_712
+    data = (folder / "model.safetensors").read_bytes()
+    header_len = int.from_bytes(data[:8], "little")
+    assert shape.weights_bytes_stored == len(data) - 8 - header_len  # every tensor's bytes, packed as stored
+
+
 def test_bundled_smollm2_gguf() -> None:
     shape = from_gguf(SMOLLM2_GGUF)
     assert (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (30, 9, 3, 64)
