@@ -40,7 +40,7 @@ logger = logging.getLogger("unigate.engine")
 
 # Bump when the conversion's output changes (names, permutation, config keys, tokenizer repair): old entries are
 # then ignored instead of served.
-CACHE_FORMAT_VERSION = 2  # 2: with gguf_blocks.safetensors
+CACHE_FORMAT_VERSION = 3  # 2: with gguf_blocks.safetensors; 3: int4 entries keep the output head in int8
 MARKER_FILE = "unigate-cache.json"
 WEIGHTS_FILE = "model.safetensors"
 BLOCKS_FILE = "gguf_blocks.safetensors"

@@ -175,7 +175,10 @@ def test_the_local_backend_loads_with_its_deployments_quantization(tmp_path: Pat
     engine = load_engine(config)
     try:
         linears = [m for m in engine.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
-        assert len(linears) == 9 and {m.method for m in linears} == {"int4"}
+        assert len(linears) == 9 and {m.method for m in linears if m is not engine.engine.runner.model.lm_head} == {
+            "int4"
+        }
+        assert engine.engine.runner.model.lm_head.method == "int8"  # the head stays int8 (quantization.HEAD_METHOD)
         assert engine.engine.stats()["quantization"] == "int4"  # what /admin/engine reports
     finally:
         engine.stop()
