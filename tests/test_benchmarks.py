@@ -110,3 +110,8 @@ def test_quantization_benchmark_prints_the_table() -> None:
     assert cells[0][4] == "+0.00%" and cells[0][5] == "4.0 / 4"  # float32 against itself
     kv_bytes = [int(row[1]) for row in cells]
     assert kv_bytes[1] * 3 < kv_bytes[0]  # int8 KV: 1 byte per element (+ scales) against 4
+
+
+def test_usage_rows_benchmark_compares_both_reads() -> None:
+    out = run("benchmarks/usage_rows.py", "--keys", "25", "--rounds", "1")  # it asserts both reads agree
+    assert "25 keys, 1 day each: key by key" in out and "usage_many" in out

@@ -192,8 +192,9 @@ async def usage_rows(request: Request) -> Response:
             break
         after = page.records[-1].id
     data = []
+    usage = await store.usage_many(list(names), num_days=num_days)
     for key_id, name in names.items():
-        for row in usage_json(key_id, await store.usage(key_id, num_days=num_days))["data"]:
+        for row in usage_json(key_id, usage[key_id])["data"]:
             data.append({"key_id": key_id, "key_name": name, **row})
     data.sort(key=lambda row: (row["date"], row["key_id"], row["model"]))
     return _json({"object": "list", "days": num_days, "data": data})

@@ -188,6 +188,43 @@ async def test_usage_per_model_per_day_and_totals(admin: httpx.AsyncClient, make
     assert {row["model"]: row["requests"] for row in totals["by_model"]} == {"m1": 2, "m2": 2}
 
 
+async def test_usage_of_many_keys_equals_each_keys_usage(
+    admin: httpx.AsyncClient, make_access: Any, store: KeyStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`KeyStore.usage_many` (what /admin/usage/rows reads, in a few pipelined round trips) against the reference,
+    `usage` key by key: keys with usage on several models, one with none, the master key and an unknown id, with
+    batches of 3 commands so that the replies span several round trips."""
+    import auth.store
+
+    monkeypatch.setattr(auth.store, "_PIPELINE_BATCH", 3)
+    access = await make_access()
+    ids = []
+    for i, models in enumerate([["m1", "m2", "m1"], ["m3"], [], ["m2"] * 4]):
+        created = await _create(admin, name=f"many-{i}")
+        ids.append(created["id"])
+        for j, model in enumerate(models):
+            admission = await access.admit(created["key"], model=model, estimated_tokens=20)
+            await access.settle(admission, SettleUsage(3 + j, 2 * j))
+    master = await access.admit("sk-ug-master-test-key-0123456789", model="m9", estimated_tokens=0)
+    await access.settle(master, SettleUsage(4, 4))
+    wanted = [*ids, "master", "k_unknown00000000000000"]
+    for num_days in (None, 1, 30):
+        many = await store.usage_many(wanted, num_days=num_days)
+        assert list(many) == wanted and many["k_unknown00000000000000"] == []
+        for key_id in wanted[:-1]:
+            assert many[key_id] == await store.usage(key_id, num_days=num_days), (key_id, num_days)
+    assert [len((await store.usage_many(wanted))[key_id]) for key_id in wanted] == [2, 1, 0, 1, 1, 0]
+
+    rows = (await admin.get("/admin/usage/rows", params={"days": 7})).json()["data"]
+    assert {(row["key_name"], row["model"], row["requests"]) for row in rows} == {
+        ("many-0", "m1", 2),
+        ("many-0", "m2", 1),
+        ("many-1", "m3", 1),
+        ("many-3", "m2", 4),
+        ("master key", "m9", 1),
+    }
+
+
 async def test_no_plaintext_secret_anywhere_in_redis(admin: httpx.AsyncClient, make_access: Any, redis: Redis) -> None:
     secrets_ = []
     for i in range(3):
