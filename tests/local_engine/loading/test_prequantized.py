@@ -14,8 +14,11 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from local_engine import prequantized, quantization
@@ -137,6 +140,52 @@ def test_quantizing_a_quantized_checkpoint_again_is_refused() -> None:
     with pytest.raises(CheckpointError, match=r"already quantized \(gptq int4 g32\).*QUANTIZATION=none") as caught:
         load_checkpoint(FIXTURES / "gptq-w4g32", quantization="int8")
     assert caught.value.code == "checkpoint_unsupported"
+
+
+def pack_words(values: np.ndarray, axis: int, order: list[int]) -> torch.Tensor:
+    """8 4-bit values per int32 along `axis`, value `order[i]` of each 8 in nibble i (the layouts as documented)."""
+    moved = np.moveaxis(values.astype(np.uint32), axis, -1)
+    grouped = moved.reshape(*moved.shape[:-1], -1, 8)[..., order]
+    words = (grouped << (4 * np.arange(8, dtype=np.uint32))).sum(-1, dtype=np.uint32)
+    return torch.from_numpy(np.ascontiguousarray(np.moveaxis(words, -1, axis)).view(np.int32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layout=st.sampled_from(["gptq", "awq"]),
+    num_in=st.sampled_from([32, 64, 96, 256]),
+    num_out=st.sampled_from([8, 16, 40]),
+    group=st.sampled_from([32, 64, 128, -1]),
+    offset=st.sampled_from([0, 1]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_any_packed_weight_reads_back_as_scale_times_q_minus_zero(
+    layout: str, num_in: int, num_out: int, group: int, offset: int, seed: int
+) -> None:
+    """A reference packer written from the format descriptions (GPTQ: inputs along the rows of qweight, outputs
+    along qzeros' words in order; AWQ: outputs along both in the order 0, 2, 4, 6, 1, 3, 5, 7) against `convert`, on
+    random shapes, group sizes (a short last group included), zero-point conventions and values; the engine's
+    weight is `scale * (q - zero)` within the float16 rounding of its minimum."""
+    if group > num_in or (layout == "awq" and offset):
+        return
+    rng = np.random.default_rng(seed)
+    checkpoint_group = num_in if group == -1 else group
+    num_groups = -(-num_in // checkpoint_group)
+    q = rng.integers(0, 16, (num_in, num_out))
+    zeros = rng.integers(offset, 16, (num_groups, num_out))  # stored as zero - offset, in 0..15
+    scales = torch.from_numpy(rng.uniform(-0.1, 0.1, (num_groups, num_out))).to(torch.float16)
+    in_order, awq_order = list(range(8)), [0, 2, 4, 6, 1, 3, 5, 7]
+    if layout == "gptq":
+        qweight, qzeros = pack_words(q, 0, in_order), pack_words(zeros - offset, 1, in_order)
+    else:
+        qweight, qzeros = pack_words(q, 1, awq_order), pack_words(zeros - offset, 1, awq_order)
+    fmt = prequantized.PackedFormat(layout, layout, group, offset)
+    state, group_size = prequantized.convert({"p.qweight": qweight, "p.qzeros": qzeros, "p.scales": scales}, fmt, "x")
+    _, weights = quantization.split_quantized(state, group_size)
+    groups = torch.arange(num_in) // checkpoint_group
+    expected = (scales.float()[groups] * torch.from_numpy(q - zeros[groups.numpy()]).float()).t()
+    bound = (scales.float().abs().amax() * 16 * 2**-11).item()
+    torch.testing.assert_close(quantization.dequantize(weights["p"]), expected, rtol=0, atol=bound)
 
 
 def test_one_group_per_row_becomes_groups_of_32_with_the_rows_scale() -> None:
