@@ -44,7 +44,8 @@ __all__ = [
 QUANTIZED_SUFFIXES = (".qweight", ".scales", ".mins")
 # The output head's method for each setting: int4 keeps it in int8, as llama.cpp's 4-bit mixes keep their output
 # tensor at 6-8 bits. On the bundled SmolLM2-135M (tied embeddings) an int4 head alone cost +6.0% perplexity over
-# the evaluation text's first 2,048 tokens; in int8, with every projection in int4, +0.02% (`benchmarks/
+# the evaluation text's first 2,048 tokens; in int8, with every projection in int4 (which in groups of 32 gives back
+# the file's own Q4_1 projections), +0.02% (`benchmarks/
 # quantization.py`), for 10 MiB more.
 HEAD_METHOD: dict[str, Literal["int8", "int4"]] = {"int8": "int8", "int4": "int8"}
 # The decoder's projections (HF names) and the output head: what gets quantized.
