@@ -13,6 +13,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fakes.redis_topologies import LocalCluster, RedisProcess, wait_until
@@ -30,6 +31,7 @@ from redis.exceptions import (
 )
 
 from auth import redis_names, scripts
+from auth.base import SettleUsage
 from auth.cluster_pipe import ClusterCommandPipe
 from auth.redis_client import RedisClient, connect, is_writable
 from auth.scripts import DEFAULT_SCRIPTS, ScriptError, StorageError
@@ -74,6 +76,29 @@ async def test_keys_live_on_every_shard_and_the_admin_operations_work(
     assert revoked.is_revoked and rotated.version > record.version
     totals = await store.totals()
     assert totals.num_keys == 12 and totals.num_active_keys == 11
+
+
+async def test_usage_of_keys_on_every_shard_is_read_in_one_pipeline(
+    cluster: LocalCluster, client: RedisClient, make_access: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`KeyStore.usage_many` (the console's usage rows): a pipeline whose commands' keys live on different shards,
+    split over several round trips, returns what `usage` reads key by key."""
+    import auth.store
+
+    monkeypatch.setattr(auth.store, "_PIPELINE_BATCH", 4)
+    store = KeyStore(client)
+    access = await make_access(cluster.url)
+    created = [await store.create({"name": f"u{i}"}) for i in range(8)]
+    for i, (_, secret) in enumerate(created):
+        for j in range(i % 3):
+            admission = await access.admit(secret, model=f"m{j}", estimated_tokens=5)
+            await access.settle(admission, SettleUsage(2, i))
+    ids = [record.id for record, _ in created]
+    assert len({cluster.master_of_slot(key_slot(redis_names.key_usage_days(i).encode())).port for i in ids}) >= 2
+    many = await store.usage_many([*ids, redis_names.MASTER_ID], num_days=7)
+    for key_id in ids:
+        assert many[key_id] == await store.usage(key_id, num_days=7)
+    assert sum(len(rows) for rows in many.values()) == sum(i % 3 for i in range(8))
 
 
 async def _admit(pipe: ClusterCommandPipe, key_id: str, secret_hash: str, n: int) -> str:
