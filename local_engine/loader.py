@@ -128,12 +128,13 @@ def load_checkpoint(
         from_cache=from_cache,
         blocks=blocks,
     )
+    declared = config.get("unigate_quantization") or {}
     logger.info(
         "loaded %s (%s, %s%s) in %.1f s%s: %.0f MiB of weights, peak RSS %.0f MiB",
         source.name,
         config["model_type"],
         str(dtype).removeprefix("torch."),
-        "" if quantization == "none" else f", {quantization} weights",
+        f", {declared.get('checkpoint') or quantization} weights" if declared else "",
         checkpoint.load_seconds,
         " from the weights cache" if from_cache else "",
         checkpoint.num_weight_bytes / 2**20,
