@@ -242,7 +242,11 @@ def from_hf_config(path: Path) -> ModelShape:
         num_params=num_params,
         is_num_params_estimated=counted is None,
         weights_bytes_stored=counted.num_bytes if counted else None,
-        stored_dtype=raw.get("torch_dtype") or raw.get("dtype") or (counted.dtype if counted else None),
+        stored_dtype=(
+            f"{quantized.get('quant_method', 'quantized')} {bits}-bit, packed"
+            if isinstance(quantized, dict) and bits
+            else raw.get("torch_dtype") or raw.get("dtype") or (counted.dtype if counted else None)
+        ),
         max_context=cfg.get("max_position_embeddings"),
     )
 

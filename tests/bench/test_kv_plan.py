@@ -121,7 +121,7 @@ def test_a_gptq_checkpoint_counts_its_packed_parameters() -> None:
     4-bit weights; qzeros, scales and g_idx are bytes, not parameters. The float model it came from has 107,712."""
     folder = Path(__file__).parents[1] / "local_engine" / "loading" / "prequantized" / "gptq-w4g32"
     shape = from_hf_config(folder)
-    assert shape.num_params == 107_712
+    assert shape.num_params == 107_712 and shape.stored_dtype == "gptq 4-bit, packed"
     data = (folder / "model.safetensors").read_bytes()
     header_len = int.from_bytes(data[:8], "little")
     assert shape.weights_bytes_stored == len(data) - 8 - header_len  # every tensor's bytes, packed as stored
