@@ -148,3 +148,36 @@ def test_engine_serve_as_an_upstream(redis_url: str, data_dir: Path, tmp_path: P
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
         denied = httpx.post(f"{engine.url}/v1/chat/completions", json=body)
         assert denied.status_code == 401  # the engine server checks its own key
+
+
+def test_a_prequantized_checkpoint_is_served_through_the_gateway(redis_url: str, tmp_path: Path) -> None:
+    """An AWQ checkpoint (tests/local_engine/loading/prequantized/) as a `type: local` deployment of the real
+    gateway: text completions over HTTP with the key, the format in /admin/engine; and the same directory with
+    `quantization: int8` asked of it fails to load with a message saying what to set."""
+    awq = Path(__file__).parent / "local_engine" / "loading" / "prequantized" / "awq-w4g64"
+    routing = tmp_path / "unigate.yaml"
+    deployment = {"type": "local", "model_path": str(awq)}
+    wrong = {"type": "local", "model_path": str(awq), "quantization": "int8"}
+    routing.write_text(
+        yaml.safe_dump(
+            {"models": [{"id": "tiny-awq", "deployments": [deployment]}, {"id": "tiny-x", "deployments": [wrong]}]}
+        )
+    )
+    settings = engine_settings(tmp_path, redis_url=redis_url, config=routing)
+    headers = {"authorization": f"Bearer {MASTER}"}
+    with ThreadedServer(build_app(settings)) as gateway:
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=MASTER, timeout=120)
+        completion = client.completions.create(model="tiny-awq", prompt="the quick brown fox", max_tokens=6)
+        assert completion.usage is not None and completion.usage.completion_tokens >= 1
+        stats = {s["model"]: s for s in httpx.get(f"{gateway.url}/admin/engine", headers=headers).json()["data"]}
+        assert stats["tiny-awq"]["checkpoint_quantization"] == "awq int4 g64"
+        assert stats["tiny-awq"]["quantization"] == "int4"
+        refused = httpx.post(
+            f"{gateway.url}/v1/completions",
+            headers=headers,
+            json={"model": "tiny-x", "prompt": "hi", "max_tokens": 2},
+            timeout=120,
+        )
+    error = refused.json()["error"]  # a model that cannot load: 500 with the loader's code and account
+    assert refused.status_code == 500 and error["code"] == "checkpoint_unsupported", refused.text
+    assert "already quantized (awq int4 g64)" in error["message"] and "quantization: none" in error["message"]
