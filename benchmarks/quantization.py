@@ -16,6 +16,10 @@ change against float32; greedy agreement with float32: mean tokens until the fir
 workload of `benchmarks/engine_throughput.py` (N requests, prompts of 32-600 tokens, outputs of 16-256) in
 generated tok/s. Ratios are against the float32 row of the same run (machine speed swings over minutes).
 
+`--prequantized DIR[,DIR]` adds a row per pre-quantized checkpoint of the bundled model (GPTQ, AWQ or auto-round,
+`local_engine/prequantized.py`: same tokenizer, so its perplexity compares), served with its own weights; the row
+is named by the checkpoint's format (e.g. `gptq int4 g128`).
+
 `--llama-cpp-python PY` also measures llama.cpp (the `llama-cpp-python` package installed for interpreter PY, in
 its own environment: it is no dependency of this project) decoding the same GGUF at batch 1 with the same number
 of threads and the same prompt, in a subprocess of this run, and prints the int4 and gguf rows' decode speed as a
@@ -100,6 +104,7 @@ def load_weights(weights: str, cache_dir: Path) -> Any:
 
 
 def build_engine(checkpoint: Any, weights: str, kv: str, sizes: Sizes) -> LLMEngine:
+    """`weights` is a row of WEIGHTS, or a pre-quantized checkpoint's row (served with its own weights)."""
     options: dict[str, Any] = {
         "device": "cpu",
         "dtype": "bfloat16" if weights == "bfloat16" else "float32",
@@ -112,6 +117,18 @@ def build_engine(checkpoint: Any, weights: str, kv: str, sizes: Sizes) -> LLMEng
     if kv != "model":
         options["kv_cache_dtype"] = kv
     return LLMEngine.from_checkpoint(checkpoint, EngineConfig(**options))
+
+
+def load_prequantized(directories: str, bundled: Any) -> dict[str, Any]:
+    """{row name (the checkpoint's format): checkpoint} for `--prequantized`; each must be of the bundled model."""
+    rows = {}
+    for directory in (Path(p) for p in directories.split(",") if p):
+        loaded = load_checkpoint(directory, dtype=torch.float32)
+        declared = loaded.hf_config.get("unigate_quantization", {}).get("checkpoint")
+        if declared is None or loaded.hf_config["vocab_size"] != bundled.hf_config["vocab_size"]:
+            raise SystemExit(f"{directory}: not a pre-quantized checkpoint of the bundled model")
+        rows[declared] = loaded
+    return rows
 
 
 def tokens_until_divergence(a: list[int], b: list[int]) -> int:
@@ -212,6 +229,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="the tiniest sizes (a test runs it)")
     parser.add_argument("--weights", default=",".join(WEIGHTS), help=f"rows to run, of {','.join(WEIGHTS)}")
     parser.add_argument("--kv", default=",".join(KV), help=f"KV cache dtypes to run, of {','.join(KV)}")
+    parser.add_argument(
+        "--prequantized",
+        default="",
+        help="comma-separated directories of pre-quantized (GPTQ / AWQ / auto-round) checkpoints of the bundled "
+        "model: a row each, after the others",
+    )
     parser.add_argument("--ppl-tokens", type=int, default=2048, help="evaluation text tokens scored")
     parser.add_argument("--ppl-window", type=int, default=1024, help="perplexity window (stride: half of it)")
     parser.add_argument("--prompts", type=int, default=32, help="greedy agreement: prompts")
@@ -272,8 +295,9 @@ def main() -> None:
     rows: list[Row] = []
     reference: list[list[int]] | None = None
     base: Row | None = None
-    for weights in weights_rows:
-        checkpoint = None
+    prequantized = load_prequantized(args.prequantized, checkpoints["float32"])
+    for weights in [*weights_rows, *prequantized]:
+        checkpoint = prequantized.get(weights)
         for kv in kv_rows:
             row = Row(weights, kv)
             rows.append(row)
