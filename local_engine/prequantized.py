@@ -46,6 +46,7 @@ _PER_WORD = 32 // BITS
 _SHIFTS = torch.arange(0, 32, BITS, dtype=torch.int32)
 # AWQ's word holds outputs 0, 2, 4, 6, 1, 3, 5, 7 of its 8 in nibbles 0..7: output j sits in nibble _AWQ_NIBBLE[j].
 _AWQ_NIBBLE = [0, 4, 1, 5, 2, 6, 3, 7]
+_IN_ORDER = list(range(_PER_WORD))
 _GPTQ_OFFSET_PACKINGS = {"auto_round:auto_gptq": 1, "auto_round": 0, "auto_round:gptqmodel": 0}
 
 
@@ -144,8 +145,8 @@ def _convert_one(
         q = _unpack_rows(qweight)  # [K, N]
     else:
         num_in, num_out = qweight.shape[0], qweight.shape[1] * _PER_WORD
-        q = _unpack_awq_columns(qweight)
-    z = _unpack_awq_columns(qzeros) if fmt.layout == "awq" else _unpack_columns(qzeros)  # [G, N]
+        q = _unpack_columns(qweight, _AWQ_NIBBLE)
+    z = _unpack_columns(qzeros, _AWQ_NIBBLE if fmt.layout == "awq" else _IN_ORDER)  # [G, N]
     z = z.to(torch.float32) + fmt.zero_offset
     checkpoint_group = num_in if fmt.group_size == -1 else fmt.group_size
     num_groups = -(-num_in // checkpoint_group)
@@ -176,16 +177,10 @@ def _unpack_rows(words: torch.Tensor) -> torch.Tensor:
     return nibbles.reshape(words.shape[0] * _PER_WORD, words.shape[1])
 
 
-def _unpack_columns(words: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C] holding 8 values along the columns each, in order -> [R, 8C]."""
+def _unpack_columns(words: torch.Tensor, nibble_of: list[int] = _IN_ORDER) -> torch.Tensor:
+    """int32 [R, C] holding 8 values along the columns each, value j in nibble `nibble_of[j]` -> [R, 8C]."""
     nibbles = (words[:, :, None] >> _SHIFTS[None, None, :]) & 0xF
-    return nibbles.reshape(words.shape[0], words.shape[1] * _PER_WORD)
-
-
-def _unpack_awq_columns(words: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C] holding 8 values along the columns each, in AWQ's order -> [R, 8C]."""
-    nibbles = (words[:, :, None] >> _SHIFTS[None, None, :]) & 0xF
-    return nibbles[:, :, _AWQ_NIBBLE].reshape(words.shape[0], words.shape[1] * _PER_WORD)
+    return nibbles[:, :, nibble_of].reshape(words.shape[0], words.shape[1] * _PER_WORD)
 
 
 def _served_packings() -> str:
