@@ -29,6 +29,7 @@ __all__ = [
     "check_request",
     "engine_errors",
     "invalid_request",
+    "place_system_messages",
     "prompt_ids",
     "prompt_texts",
 ]
@@ -145,6 +146,51 @@ def _message_text(message: Any) -> Json:
     return message
 
 
+def place_system_messages(messages: list[Json]) -> list[Json]:
+    """Where the chat template gets system text: the roles the supported templates are trained on.
+
+    - `developer` (OpenAI's name for system instructions since o1) is `system`: no Llama, Mistral or Qwen template
+      knows it (Qwen3's drops it unrendered, SmolLM2's prints an unknown role).
+    - A system message right after a user turn is placed before that turn (consecutive user messages are one
+      turn). Claude Code sends its agent list that way, after the first user message; rendered in place, the prompt
+      ends with 6 KB of system text instead of the user's question, and a small model answers the list instead
+      (docs/coding-agents.md has the measurement).
+    - Adjacent system messages with text contents become one, joined by a blank line: templates that take a single
+      leading system message (Mistral's) render them instead of refusing.
+
+    The result depends only on the messages, and a system message is never moved before an earlier assistant turn,
+    so a conversation resent with more turns renders the previous prompt again, token for token."""
+    placed: list[Json] = []
+    turn_start: int | None = None  # where the user turn that `placed` ends with starts
+    for message in messages:
+        role = message.get("role")
+        if role == "developer":
+            message = {**message, "role": "system"}
+            role = "system"
+        if role == "system" and turn_start is not None:
+            placed.insert(turn_start, message)
+            turn_start += 1
+            continue
+        if role == "user":
+            turn_start = len(placed) if turn_start is None else turn_start
+        else:
+            turn_start = None
+        placed.append(message)
+    joined: list[Json] = []
+    for message in placed:
+        previous = joined[-1] if joined else None
+        if previous is not None and _is_plain_system(previous) and _is_plain_system(message):
+            text = "\n\n".join(part for part in (previous["content"], message["content"]) if part)
+            joined[-1] = {"role": "system", "content": text}
+        else:
+            joined.append(message)
+    return joined
+
+
+def _is_plain_system(message: Json) -> bool:
+    return message.keys() == {"role", "content"} and message["role"] == "system" and isinstance(message["content"], str)
+
+
 def _chat_prompt(tokenizer: Any, body: Json) -> list[list[int]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -152,7 +198,7 @@ def _chat_prompt(tokenizer: Any, body: Json) -> list[list[int]]:
     tools = body.get("tools") or None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise InvalidRequestError("`tools` must be a list of tool objects.", param="tools")
-    rendered = [_message_text(m) for m in messages]
+    rendered = place_system_messages([_message_text(m) for m in messages])
     if not tokenizer.renders_tool_calls:
         rendered = plain_tool_messages(rendered)
     try:

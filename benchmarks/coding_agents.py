@@ -5,10 +5,11 @@ GPU, the settings from the environment):
 
 1. Agent-shaped turns over HTTP (no CLI needed). A Claude Code-shaped `/v1/messages` conversation and a Codex-shaped
    `/v1/responses` one: a long system prompt (this repository's docs, about 3,000 tokens), a tool list, Claude Code's
-   per-request billing line in `system`; two turns each, streamed. Per request: prompt tokens and the cached ones
-   as the client reads them (`cache_read_input_tokens`, `input_tokens_details.cached_tokens`), TTFT and wall time.
-   A third request resends turn 2 with one character changed at the start of the system prompt: what a cache miss
-   costs. The output limit is small here (`--max-tokens`): this section measures prompts, not generation.
+   per-request billing line in `system` and its agent list as a system message after the first user message; two
+   turns each, streamed. Per request: prompt tokens and the cached ones as the client reads them
+   (`cache_read_input_tokens`, `input_tokens_details.cached_tokens`), TTFT and wall time. A third request resends
+   turn 2 with one character changed at the start of the system prompt: what a cache miss costs. The output limit
+   is small here (`--max-tokens`): this section measures prompts, not generation.
 2. The real clients, when installed (`npm install --prefix DIR @anthropic-ai/claude-code @openai/codex`, then
    `--agents-dir DIR`; or on the PATH): one non-interactive turn of each (`claude -p`, `codex exec`), then a second
    turn of the same session (`claude -p --continue`, `codex exec resume --last`), each in a scratch HOME with no
@@ -260,6 +261,13 @@ CODEX_TOOLS = [
 ]
 
 
+# Claude Code 2.1.197 lists its Agent tool's agent types in a system message after the first user message (6 KB).
+AGENT_LIST = "Available agent types for the Agent tool:\n" + "".join(
+    f"- {name}: {role} agent. (Tools: {tools})\n"
+    for name, role, tools in (("claude", "Catch-all", "*"), ("Explore", "Read-only search", "Read, Glob, Grep"))
+)
+
+
 def billing_line(nonce: str) -> dict[str, Any]:
     """Claude Code's first `system` block; `cch` changes on every request."""
     return {
@@ -276,7 +284,10 @@ def first_turn(path: str, model: str, system: str, max_tokens: int) -> dict[str,
             "stream": True,
             "system": [billing_line("36ee5"), {"type": "text", "text": system}],
             "tools": CLAUDE_TOOLS,
-            "messages": [{"role": "user", "content": [{"type": "text", "text": FIRST_PROMPT}]}],
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": FIRST_PROMPT}]},
+                {"role": "system", "content": AGENT_LIST},  # after the first user message, as Claude Code sends it
+            ],
         }
     return {
         "model": model,

@@ -192,3 +192,35 @@ async def test_text_around_a_tool_call_and_a_text_answer_stay_text(
         model="tiny", max_tokens=100, tools=ANTHROPIC_TOOLS, messages=[{"role": "user", "content": "Show JSON"}]
     )
     assert [block.type for block in message.content] == ["text"] and message.stop_reason == "end_turn"
+
+
+async def test_claude_codes_agent_list_is_rendered_before_the_question_on_every_turn(
+    server: ThreadedServer, sampler: ScriptedSampler, real_tokenizer: Any
+) -> None:
+    # Claude Code 2.1.197 sends its agent list as a system message after the first user message, on every turn.
+    client = claude(server)
+    question = {"role": "user", "content": [{"type": "text", "text": "Say hello in one line.", "cache_control": {}}]}
+    agents = {"role": "system", "content": "Available agent types for the Agent tool:\n- Explore: read-only search."}
+    request: dict[str, Any] = {"model": "tiny", "max_tokens": 32000, "tools": ANTHROPIC_TOOLS}
+
+    say(sampler, real_tokenizer, "Hello!")
+    first = await client.messages.create(system=system_blocks("36ee5"), messages=[question, agents], **request)
+    assert first.content[0].text == "Hello!"  # type: ignore[union-attr]
+    rendered = real_tokenizer.decode(sampler.prompts[-1], skip_special_tokens=False)
+    assert rendered == (
+        f"<|im_start|>system\n{SYSTEM}\n\n{agents['content']}<|im_end|>\n"
+        "<|im_start|>user\nSay hello in one line.<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+    say(sampler, real_tokenizer, "Goodbye!")
+    answer = {"role": "assistant", "content": [{"type": "text", "text": "Hello!"}]}
+    follow_up = {"role": "user", "content": "Now say goodbye."}
+    second = await client.messages.create(
+        system=system_blocks("0aaa9"), messages=[question, agents, answer, follow_up], **request
+    )
+    first_prompt, second_prompt = sampler.prompts[-2:]
+    assert second_prompt[: len(first_prompt)] == first_prompt
+    assert real_tokenizer.decode(second_prompt[len(first_prompt) :], skip_special_tokens=False) == (
+        "Hello!<|im_end|>\n<|im_start|>user\nNow say goodbye.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert (second.usage.cache_read_input_tokens or 0) >= len(first_prompt) // BLOCK_SIZE * BLOCK_SIZE > 0

@@ -3,9 +3,12 @@ and chunks, and the engine's errors as the gateway's, all without an engine (a f
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from backends.base import MAX_TOKENS_CLAMPED_KEY
 from backends.local_mapping import (
@@ -13,6 +16,7 @@ from backends.local_mapping import (
     Usage,
     check_request,
     engine_errors,
+    place_system_messages,
     prompt_ids,
     prompt_texts,
 )
@@ -125,6 +129,120 @@ def test_the_templates_own_refusal_becomes_a_400_through_engine_errors() -> None
     with pytest.raises(InvalidRequestError) as info, engine_errors("chat/completions"):
         prompt_ids(FakeTokenizer(), True, body)
     assert (info.value.code, info.value.param) == ("invalid_messages", "messages")
+
+
+def test_a_system_message_after_the_user_turn_is_rendered_before_it() -> None:
+    # Claude Code 2.1.197: the agent list as a system message after the first user message, on every turn.
+    tokenizer = FakeTokenizer()
+    agents = {"role": "system", "content": "Agents: Explore, Plan."}
+    first = {"messages": [{"role": "system", "content": "You are Claude Code."}, CHAT["messages"][0], agents]}
+    [first_ids] = prompt_ids(tokenizer, True, first)
+    assert tokenizer.decode(first_ids) == "system: You are Claude Code.\n\nAgents: Explore, Plan.\nuser: Hi\n"
+    second = {
+        "messages": [*first["messages"], {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    }
+    [second_ids] = prompt_ids(tokenizer, True, second)
+    assert second_ids[: len(first_ids)] == first_ids
+    assert tokenizer.decode(second_ids[len(first_ids) :]) == "assistant: Hello\nuser: Bye\n"
+
+
+@pytest.mark.parametrize(
+    ("messages", "expected"),
+    [
+        (
+            [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+            "system: Be brief.\nuser: Hi\n",
+        ),
+        (  # consecutive user messages are one turn; two system messages after it keep their order
+            [
+                {"role": "user", "content": "a"},
+                {"role": "user", "content": "b"},
+                {"role": "system", "content": "x"},
+                {"role": "developer", "content": "y"},
+            ],
+            "system: x\n\ny\nuser: a\nuser: b\n",
+        ),
+        (  # after an assistant turn or a tool result a system message stays where it is
+            [
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b"},
+                {"role": "system", "content": "x"},
+                {"role": "tool", "content": "r"},
+                {"role": "system", "content": "y"},
+            ],
+            "user: a\nassistant: b\nsystem: x\nuser: <tool_response>\nr\n</tool_response>\nsystem: y\n",
+        ),
+        (  # a system message with a name, or without text, is moved but not merged
+            [
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": "a"},
+                {"role": "system", "content": "x", "name": "policy"},
+            ],
+            "system: s\nsystem: x\nuser: a\n",
+        ),
+    ],
+    ids=["developer", "user-turn", "in-place", "not-merged"],
+)
+def test_where_system_messages_are_rendered(messages: list[dict[str, Any]], expected: str) -> None:
+    tokenizer = FakeTokenizer()
+    assert tokenizer.decode(prompt_ids(tokenizer, True, {"messages": messages})[0]) == expected
+
+
+_ROLES = st.sampled_from(["system", "developer", "user", "assistant", "tool"])
+
+
+@st.composite
+def conversations(draw: st.DrawFn) -> list[dict[str, Any]]:
+    roles = draw(st.lists(_ROLES, min_size=1, max_size=12))
+    return [{"role": role, "content": f"{role[0]}{i}"} for i, role in enumerate(roles)]
+
+
+def _is_system(message: dict[str, Any]) -> bool:
+    return message["role"] in ("system", "developer")
+
+
+@given(conversations())
+def test_placing_system_messages_against_a_reference(messages: list[dict[str, Any]]) -> None:
+    placed = place_system_messages(messages)
+    others = [m for m in messages if not _is_system(m)]
+    assert [m for m in placed if m["role"] != "system"] == others  # the conversation itself, in order, untouched
+    texts = [part for m in placed if m["role"] == "system" for part in m["content"].split("\n\n")]
+    assert texts == [m["content"] for m in messages if _is_system(m)]  # each once, in the order sent
+    assert all(not (a["role"] == b["role"] == "system") for a, b in itertools.pairwise(placed))
+    assert all(not (a["role"] == "user" and b["role"] == "system") for a, b in itertools.pairwise(placed))
+    # Reference: a system text has before it the conversation's messages that came before it, less the user turn
+    # (a run of user messages, systems between them skipped) that it directly followed.
+    for i, message in enumerate(messages):
+        if not _is_system(message):
+            continue
+        before = [m for m in messages[:i] if not _is_system(m)]
+        trailing_users = 0
+        for earlier in reversed(messages[:i]):
+            if _is_system(earlier):
+                continue
+            if earlier["role"] != "user":
+                break
+            trailing_users += 1
+        [position] = [
+            k
+            for k, m in enumerate(placed)
+            if m["role"] == "system" and message["content"] in m["content"].split("\n\n")
+        ]
+        assert sum(1 for m in placed[:position] if m["role"] != "system") == len(before) - trailing_users
+
+
+@given(conversations(), st.sampled_from(["assistant", "tool"]), conversations())
+def test_a_resent_conversation_renders_the_previous_placement_first(
+    earlier: list[dict[str, Any]], next_role: str, later: list[dict[str, Any]]
+) -> None:
+    # The prefix cache's promise: what a turn rendered, the next turn (which adds an answer and more) renders again.
+    continued = [
+        *earlier,
+        {"role": next_role, "content": "next"},
+        *[{**m, "content": "L" + m["content"]} for m in later],
+    ]
+    first = place_system_messages(earlier)
+    assert place_system_messages(continued)[: len(first)] == first
 
 
 def test_prompt_texts_for_echo() -> None:
