@@ -24,7 +24,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -72,6 +72,8 @@ class LocalBackendConfig:
     load_wait_s: float = 30.0  # a request waits this long for a loading model, then gets 503 engine_loading
     clamp_max_tokens: bool = True  # lower a max_tokens that does not fit next to the prompt to the room left
     default_max_tokens: int | None = 1024  # the output limit of a request that sets none; None or 0 = none
+    # sampling for requests that leave those fields out; None = the model's own (`loader.model_sampling_defaults`)
+    sampling_defaults: Mapping[str, float] | None = None
 
 
 def load_engine(config: LocalBackendConfig) -> AsyncEngine:
@@ -119,12 +121,15 @@ class LocalBackend:
         load_wait_s: float = 30.0,
         clamp_max_tokens: bool = True,
         default_max_tokens: int | None = None,
+        sampling_defaults: Mapping[str, float] | None = None,
     ) -> None:
         self.name = name
         self.model_id = model_id or name
         self.load_wait_s = load_wait_s
         self.clamp_max_tokens = clamp_max_tokens
         self.default_max_tokens = default_max_tokens or None  # 0 = none
+        self._sampling_override = None if sampling_defaults is None else dict(sampling_defaults)
+        self.sampling_defaults: dict[str, float] = {}  # what requests get: the override, else the model's own
         self._load_started = time.monotonic()
         self._ids = itertools.count()
         self._engine: AsyncEngine | None = None
@@ -144,6 +149,7 @@ class LocalBackend:
             load_wait_s=config.load_wait_s,
             clamp_max_tokens=config.clamp_max_tokens,
             default_max_tokens=config.default_max_tokens,
+            sampling_defaults=config.sampling_defaults,
         )
 
     def _load(self, load: Callable[[], AsyncEngine]) -> AsyncEngine:
@@ -154,6 +160,8 @@ class LocalBackend:
             raise EngineError("the local engine was closed while loading")
         if engine.engine.tokenizer is not None:
             _tokenizer(engine).max_prompt_chars(engine.engine.max_model_len)  # computed once, off the loop
+        model_defaults = getattr(engine.engine, "model_sampling_defaults", {})
+        self.sampling_defaults = model_defaults if self._sampling_override is None else self._sampling_override
         self._engine = engine
         logger.info(
             "local engine %s serving after %.1fs: %s",
@@ -161,6 +169,13 @@ class LocalBackend:
             time.perf_counter() - started,
             engine.engine.capacity.as_dict(),
         )
+        if self.sampling_defaults:
+            logger.info(
+                "local engine %s: requests that leave them out sample with %s (%s)",
+                self.name,
+                ", ".join(f"{name}={value}" for name, value in self.sampling_defaults.items()),
+                "the model's own" if self._sampling_override is None else "sampling_defaults",
+            )
         return engine
 
     @property
@@ -312,6 +327,7 @@ class LocalBackend:
             "healthy": self._engine.is_healthy,
             "state": self.health_state(),
             "num_restarts": self._engine.num_restarts,
+            "sampling_defaults": dict(self.sampling_defaults),
             **self._engine.stats(),
         }
 
@@ -321,7 +337,8 @@ class LocalBackend:
         """Check cheap things on the event loop (fields, sampling parameters, the prompt's size in characters),
         then tokenize and validate in a worker thread: a big prompt must not stall every other request."""
         tokenizer = _tokenizer(engine)
-        params = check_request(endpoint, body, tokenizer.max_prompt_chars(engine.engine.max_model_len))
+        max_chars = tokenizer.max_prompt_chars(engine.engine.max_model_len)
+        params = check_request(endpoint, body, max_chars, sampling_defaults=self.sampling_defaults)
         return await asyncio.to_thread(self._tokenize, engine, endpoint, params, body)
 
     def _tokenize(self, engine: AsyncEngine, endpoint: Endpoint, params: SamplingParams, body: Json) -> ParsedRequest:

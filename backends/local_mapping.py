@@ -9,7 +9,7 @@ one place, `engine_errors`. Everything here takes a tokenizer and plain values, 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -72,9 +72,12 @@ def invalid_request(exc: ValueError, endpoint: Endpoint) -> InvalidRequestError:
 # -- requests -----------------------------------------------------------------------------------------------------
 
 
-def check_request(endpoint: Endpoint, body: Json, max_prompt_chars: int) -> SamplingParams:
+def check_request(
+    endpoint: Endpoint, body: Json, max_prompt_chars: int, *, sampling_defaults: Mapping[str, float] | None = None
+) -> SamplingParams:
     """The cheap checks, before any tokenizing: the endpoint, fields the engine cannot honour, the sampling
-    parameters (strict types and ranges, `local_engine.sampling_params.from_openai`) and the prompt's size."""
+    parameters (strict types and ranges, `local_engine.sampling_params.from_openai`; the fields the body leaves out
+    from `sampling_defaults`) and the prompt's size."""
     if endpoint not in NATIVE_ENDPOINTS:
         raise InvalidRequestError(f"The local engine does not serve /v1/{endpoint}.", code="unsupported_endpoint")
     for name in UNSUPPORTED_FIELDS:
@@ -82,7 +85,7 @@ def check_request(endpoint: Endpoint, body: Json, max_prompt_chars: int) -> Samp
             raise InvalidRequestError(f"`{name}` is not supported by the local engine; remove it.", param=name)
     is_chat = endpoint == "chat/completions"
     with engine_errors(endpoint):
-        params = from_openai(body, is_chat=is_chat)
+        params = from_openai(body, is_chat=is_chat, defaults=sampling_defaults)
     check_prompt_size(body, is_chat, max_prompt_chars)
     return params
 

@@ -46,8 +46,8 @@ def build_backend(deployment: DeploymentConfig, settings: Settings) -> Backend:
 
 
 def local_config(deployment: DeploymentConfig, settings: Settings) -> LocalBackendConfig:
-    """A `type: local` deployment's config: its own model, output limits, speculative decoding and quantization
-    where it sets them, the engine settings' otherwise."""
+    """A `type: local` deployment's config: its own model, output limits, sampling defaults, speculative decoding
+    and quantization where it sets them, the engine settings' otherwise."""
     from backends.local import LocalBackendConfig
 
     engine = settings.engine
@@ -71,6 +71,9 @@ def local_config(deployment: DeploymentConfig, settings: Settings) -> LocalBacke
         clamp_max_tokens=True if deployment.clamp_max_tokens is None else deployment.clamp_max_tokens,
         default_max_tokens=(
             engine.default_max_tokens if deployment.default_max_tokens is None else deployment.default_max_tokens
+        ),
+        sampling_defaults=(
+            engine.sampling_defaults if deployment.sampling_defaults is None else deployment.sampling_defaults
         ),
     )
 

