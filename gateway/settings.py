@@ -36,7 +36,7 @@ class EngineSettings(EngineConfig):
     default_max_tokens: int = Field(default=1024, ge=0)
     # Sampling for a request that leaves these fields out (temperature, top_p, top_k, min_p, repetition_penalty),
     # e.g. {"temperature": 0.7}; a deployment's `sampling_defaults` overrides it. None = the model's own
-    # (generation_config.json; the bundled model's card: temperature 0.2, top_p 0.9); {} = OpenAI's defaults.
+    # (generation_config.json; the bundled model: temperature 0.2); {} = OpenAI's defaults.
     sampling_defaults: dict[str, float] | None = None
     # While the model loads, a request waits this long for it, then gets 503 engine_loading with Retry-After.
     load_wait_s: float = Field(default=30.0, ge=0)

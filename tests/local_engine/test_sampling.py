@@ -6,6 +6,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from local_engine.sampler import Sampler
 from local_engine.sampling_params import SamplingParams
@@ -98,6 +100,50 @@ def test_penalties_and_min_tokens() -> None:
     assert out[2] == 1  # 3.0 / 2 < 2.9
     seqs[3].eos_token_ids = frozenset({0})
     assert Sampler()(logits[3:], seqs[3:]).token_ids == [2]  # EOS (0) and the stop token (1) are banned
+
+
+def reference_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """OpenAI's presence/frequency penalties and HF's repetition penalty, written out token by token."""
+    out = logits.clone()
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        for token in set(seq.output_token_ids):
+            out[row, token] -= p.frequency_penalty * seq.output_token_ids.count(token) + p.presence_penalty
+        for token in set(seq.token_ids):
+            value = out[row, token]
+            out[row, token] = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
+    return out
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from([1.0, 1.1, 2.0]), st.sampled_from([0.0, 0.5]), st.sampled_from([0.0, 0.25])),
+        min_size=1,
+        max_size=4,
+    ),
+    st.lists(st.lists(st.integers(0, 15), min_size=1, max_size=4), min_size=1, max_size=6),
+    st.integers(0, 2**31),
+)
+def test_penalties_kept_per_sequence_equal_a_reference_step_after_step(
+    penalties: list[tuple[float, float, float]], steps: list[list[int]], seed: int
+) -> None:
+    """The repetition penalty's token set is kept per sequence and grown each step; every step's penalised logits
+    equal the reference's, also after a sequence's output shrinks and after a batch leaves a sequence out."""
+    torch.manual_seed(seed)
+    params = [SamplingParams(repetition_penalty=r, presence_penalty=pp, frequency_penalty=f) for r, pp, f in penalties]
+    seqs = make_seqs(params, [[] for _ in params])
+    sampler = Sampler()
+    for step, new_tokens in enumerate(steps):
+        if step == 2 and seqs[0].output_token_ids:  # an output rewritten (as a rollback would): the set is rebuilt
+            del seqs[0].token_ids[-1]
+        for seq, token in zip(seqs, new_tokens, strict=False):
+            seq.append_token(token)
+        batch = seqs[step % 2 :] or seqs  # sometimes a sequence sits a step out
+        logits = torch.randn(len(batch), 16) * 3
+        torch.testing.assert_close(sampler._apply_penalties(logits, batch), reference_penalties(logits, batch))
+    for seq in seqs:
+        sampler.forget(seq)
+    assert not sampler._seen
 
 
 def test_logit_bias_shifts_only_its_rows_and_tokens() -> None:

@@ -111,10 +111,10 @@ def test_the_generation_configs_sampling_fields_become_the_models_sampling_defau
     assert model_sampling_defaults(tmp_path) == {}
 
 
-def test_the_bundled_model_samples_as_its_card_says_and_another_gguf_as_openai(tmp_path: Path) -> None:
+def test_the_bundled_model_has_its_own_sampling_defaults_and_another_gguf_none(tmp_path: Path) -> None:
     bundled = tmp_path / BUNDLED_FILE
     bundled.write_bytes(b"GGUF")
-    assert model_sampling_defaults(bundled) == {"temperature": 0.2, "top_p": 0.9}
+    assert model_sampling_defaults(bundled) == {"temperature": 0.2}
     other = tmp_path / "other.Q4_1.gguf"
     other.write_bytes(b"GGUF")
     assert model_sampling_defaults(other) == {}
