@@ -33,6 +33,13 @@ class VerifyOutput:
     logprobs: list[list[TokenLogprob | None]]
 
 
+def _exponential_like(values: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Exp(1) noise shaped like `values`, as -log(U) with U ~ U[0, 1): the race `argmax(p / E)` picks token i with
+    probability p_i. Three times faster than `Tensor.exponential_` on a CPU (0.36 vs 1.10 ms for a 49,152-token
+    row), which dominated a sampled row's cost. U = 0 gives E = inf: that token loses the race (2^-24 a token)."""
+    return torch.rand(values.shape, generator=generator, device=values.device, dtype=torch.float32).log_().neg_()
+
+
 class Sampler:
     def __init__(self) -> None:
         self._generators: dict[int, torch.Generator] = {}  # seq_id -> generator of a seeded sequence
@@ -168,7 +175,7 @@ class Sampler:
         generators = [
             self._generator(s, device) if s.params.seed is not None and not s.params.is_greedy else None for s in seqs
         ]
-        noise = torch.empty_like(probs).exponential_()
+        noise = _exponential_like(probs)
         is_greedy = torch.tensor([s.params.is_greedy for s in rows], device=device)
         picks = torch.where(is_greedy, greedy, (probs / noise).argmax(dim=-1))
         row = 0
@@ -176,7 +183,7 @@ class Sampler:
             proposal = seq.spec_token_ids
             if generator is not None:
                 for j in range(len(proposal) + 1):
-                    draw = torch.empty_like(probs[row + j]).exponential_(generator=generator)
+                    draw = _exponential_like(probs[row + j], generator)
                     pick = int((probs[row + j] / draw).argmax())
                     picks[row + j] = pick
                     if j == len(proposal) or pick != proposal[j]:
@@ -208,7 +215,7 @@ class Sampler:
                     residual = (p[num_accepted] - q[num_accepted]).clamp_min(0.0)
                     if not float(residual.sum()) > 0.0:
                         residual = p[num_accepted]
-                    noise = torch.empty_like(residual).exponential_()
+                    noise = _exponential_like(residual)
                     result[i] = (num_accepted, int((residual / noise).argmax()))
                 else:
                     result[i] = (num, None)
@@ -227,7 +234,7 @@ class Sampler:
         if all(is_deterministic):
             return greedy.tolist(), None
         probs = self._probs(logits, seqs)
-        noise = torch.empty_like(probs).exponential_()
+        noise = _exponential_like(probs)
         drawn = (probs / noise).argmax(dim=-1)
         picks = torch.where(torch.tensor(is_deterministic, device=logits.device), greedy, drawn)
         return picks.tolist(), probs
@@ -296,10 +303,10 @@ class Sampler:
             self._generator(s, device) if s.params.seed is not None and not s.params.is_greedy else None for s in seqs
         ]
         probs = self._probs(logits, seqs)
-        noise = torch.empty_like(probs).exponential_()
+        noise = _exponential_like(probs)
         for i, generator in enumerate(generators):
             if generator is not None:
-                noise[i].exponential_(generator=generator)
+                noise[i] = _exponential_like(noise[i], generator)
         return (probs / noise).argmax(dim=-1)
 
     def _probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
