@@ -14,6 +14,12 @@ from collections.abc import Iterator
 import pytest
 from fakes.fixtures import fake_upstream, fake_upstream_factory, gateway_server  # noqa: F401
 from fakes.net import free_port
+from hypothesis import settings
+
+# No per-example deadline: a first example that warms torch up, or any example on a loaded 2-core host, can take
+# longer than hypothesis's 200 ms, and a timing is never what a test here asserts.
+settings.register_profile("unigate", deadline=None)
+settings.load_profile("unigate")
 
 TOPOLOGY = os.environ.get("UNIGATE_TEST_REDIS_TOPOLOGY", "standalone")
 if TOPOLOGY not in ("standalone", "cluster", "sentinel"):

@@ -100,6 +100,42 @@ def test_sampled_tokens_follow_the_distribution() -> None:
     assert chi_square < 16.27  # 3 degrees of freedom, p = 0.001
 
 
+def sorted_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """top-k then top-p over the whole row sorted, the probabilities renormalised over the top-k tokens."""
+    out = logits.clone()
+    for row in range(logits.shape[0]):
+        values, order = logits[row].sort(descending=True)
+        k = top_k[row] if 0 < top_k[row] < len(values) else len(values)
+        probs = torch.softmax(values[:k], dim=-1)
+        before = probs.cumsum(dim=0) - probs
+        keep = int((before < top_p[row]).sum()) if top_p[row] < 1.0 else k
+        out[row, order[keep:]] = float("-inf")
+    return out
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from([0, 1, 3, 5, 12, 40]), st.sampled_from([1.0, 0.95, 0.8, 0.5, 0.1])),
+        min_size=1,
+        max_size=6,
+    ),
+    st.sampled_from([0.3, 1.0, 4.0, 12.0]),
+    st.integers(0, 2**31),
+)
+def test_top_k_top_p_from_the_best_candidates_equals_the_whole_row_sorted(
+    filters: list[tuple[int, float]], scale: float, seed: int
+) -> None:
+    """Read from the best few candidates when they decide every row, else from the sorted row: the same tokens
+    kept either way, for flat and peaked rows (scale), top-k within and beyond the candidates."""
+    torch.manual_seed(seed)
+    logits = torch.randn(len(filters), 40) * scale
+    sampler = Sampler()
+    sampler.TOP_CANDIDATES = 4  # 40 tokens a row: both paths run
+    seqs = make_seqs([SamplingParams(top_k=k, top_p=p) for k, p in filters], [[] for _ in filters])
+    expected = sorted_top_k_top_p(logits, [k for k, _ in filters], [p for _, p in filters])
+    assert torch.equal(sampler._top_k_top_p(logits, seqs).isinf(), expected.isinf())
+
+
 def test_penalties_and_min_tokens() -> None:
     logits = torch.tensor([[3.0, 2.9, 0.0, -1.0]] * 4)
     params = [
