@@ -133,7 +133,7 @@ class DeploymentConfig(BaseModel):
     default_max_tokens: int | None = Field(default=None, ge=0)
     # `type: local`: sampling for requests that leave these fields out (temperature, top_p, top_k, min_p,
     # repetition_penalty); None = UNIGATE_ENGINE__SAMPLING_DEFAULTS, else the model's own; {} = OpenAI's defaults.
-    sampling_defaults: dict[str, float] | None = None
+    sampling_defaults: dict[str, Any] | None = None  # checked strictly by `_check_sampling_defaults`
     # `type: local`: speculative decoding for this deployment's engine (docs/local-engine.md#speculative-decoding),
     # the same fields as UNIGATE_ENGINE__SPECULATIVE__*; None = those settings.
     speculative: SpeculativeConfig | None = None
@@ -144,7 +144,7 @@ class DeploymentConfig(BaseModel):
 
     @field_validator("sampling_defaults")
     @classmethod
-    def _check_sampling_defaults(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+    def _check_sampling_defaults(cls, value: dict[str, Any] | None) -> dict[str, float] | None:
         return None if value is None else sampling_defaults(value)
 
     @field_validator("api_key")

@@ -37,13 +37,13 @@ class EngineSettings(EngineConfig):
     # Sampling for a request that leaves these fields out (temperature, top_p, top_k, min_p, repetition_penalty),
     # e.g. {"temperature": 0.7}; a deployment's `sampling_defaults` overrides it. None = the model's own
     # (generation_config.json; the bundled model: temperature 0.2); {} = OpenAI's defaults.
-    sampling_defaults: dict[str, float] | None = None
+    sampling_defaults: dict[str, Any] | None = None  # checked strictly by `_check_sampling_defaults`
     # While the model loads, a request waits this long for it, then gets 503 engine_loading with Retry-After.
     load_wait_s: float = Field(default=30.0, ge=0)
 
     @field_validator("sampling_defaults")
     @classmethod
-    def _check_sampling_defaults(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+    def _check_sampling_defaults(cls, value: dict[str, Any] | None) -> dict[str, float] | None:
         return None if value is None else sampling_defaults(value)
 
     def engine_config(self) -> EngineConfig:

@@ -118,7 +118,15 @@ def test_sampling_defaults_come_from_the_entry_then_the_engine_settings(tmp_path
         ),
         ({"type": "local", "sampling_defaults": {"seed": 1}}, "not seed"),
         ({"type": "local", "sampling_defaults": {"top_p": 2}}, "top_p must be a number in"),
-        ({"type": "local", "sampling_defaults": {"temperature": "hot"}}, "sampling_defaults.temperature"),
+        (
+            {"type": "local", "sampling_defaults": {"temperature": "0.5"}},
+            "temperature must be a finite number, got a string",
+        ),
+        (
+            {"type": "local", "sampling_defaults": {"temperature": True}},
+            "temperature must be a finite number, got True",
+        ),
+        ({"type": "local", "sampling_defaults": [0.5]}, "sampling_defaults"),
     ],
 )
 def test_a_wrong_sampling_defaults_entry_is_a_routing_error(fields: dict[str, Any], message: str) -> None:
