@@ -105,13 +105,18 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._num_received_in_head = 0  # raw bytes received while a head is incomplete
         self._num_headers = 0
         self._is_in_head = True
+        self._has_head_ended = False  # a head was completed by the bytes being parsed
         self._is_rejected = False
 
     def data_received(self, data: bytes) -> None:
         if self._is_rejected:
             return  # lingering after a 431: discard
+        was_in_head, self._has_head_ended = self._is_in_head, False
         super().data_received(data)
-        if self._is_in_head and not self._is_rejected:
+        # Raw bytes count only while one head stays incomplete from before the chunk to after it: a chunk that
+        # ended a head or a body carried body bytes (a body's last segment can be any size), and whatever part of
+        # it began the next head is counted exactly by on_url/on_header.
+        if was_in_head and self._is_in_head and not self._has_head_ended and not self._is_rejected:
             self._num_received_in_head += len(data)
             if self._num_received_in_head > 2 * self.max_head_bytes:
                 self._is_rejected = True
@@ -133,6 +138,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._is_in_head = False
+        self._has_head_ended = True
         self._num_received_in_head = 0
         super().on_headers_complete()
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import select
 import socket
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from fakes.app import AUTH, CHAT, MASTER, build_app, single_model
 from fakes.server import ThreadedServer
@@ -90,6 +92,25 @@ def test_heads_within_the_limits_are_served(server: ThreadedServer) -> None:
     assert status_of(exchange(server, request("/health/live", headers))) == 200
     response = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, headers={**AUTH, "x-pad": "p" * 30_000})
     assert response.status_code == 200
+
+
+def test_large_bodies_are_not_counted_as_head_bytes(server: ThreadedServer, fake_upstream: FakeUpstream) -> None:
+    """A body's last segment arriving in one read (here 200 KB, more than twice the head limit) once counted as the
+    next request's head: 431 after the request had been served. Each try sends the body's end in one write."""
+    body = orjson.dumps({**CHAT, "messages": [{"role": "user", "content": "y" * 600_000}]})
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nConnection: close\r\n"
+        f"Authorization: Bearer {MASTER}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    served = len(fake_upstream.requests)
+    for _ in range(8):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
+            sock.sendall(head + body[:-200_000])
+            time.sleep(0.05)  # the server reads that part before the rest arrives
+            sock.sendall(body[-200_000:])
+            reader = sock.makefile("rb")
+            assert reader.readline().startswith(b"HTTP/1.1 200"), reader.read()[:300]
+    assert len(fake_upstream.requests) == served + 8
 
 
 def test_a_keep_alive_connection_is_limited_per_request(server: ThreadedServer) -> None:
