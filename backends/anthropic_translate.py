@@ -14,7 +14,7 @@ from typing import Any
 
 from backends.base import Json
 from backends.wire import DropLog, aclose_source, content_text, dumps, new_id, parse_arguments
-from gateway.errors import BackendError, InvalidRequestError, UnavailableError, UpstreamRateLimitedError
+from gateway.errors import BackendError, InvalidRequestError, UpstreamRateLimitedError
 
 __all__ = ["chat_to_messages", "error_from_event", "events_to_chat_chunks", "message_to_chat"]
 
@@ -236,7 +236,7 @@ def chat_usage(usage: Any) -> Json:
 # ---------------------------------------------------------------- stream: Anthropic events → chat chunks
 
 
-def error_from_event(data: Json) -> BackendError | UnavailableError:
+def error_from_event(data: Json) -> BackendError:
     """An upstream `error` event as the gateway error it stands for (the message is the upstream's own)."""
     error = data["error"] if isinstance(data.get("error"), dict) else {}
     kind = str(error.get("type", "api_error"))
@@ -244,7 +244,7 @@ def error_from_event(data: Json) -> BackendError | UnavailableError:
     if kind == "rate_limit_error":
         return UpstreamRateLimitedError(message)
     if kind == "overloaded_error":
-        return UnavailableError(message, code="upstream_overloaded")
+        return BackendError(message, code="upstream_overloaded", status_code=503)
     return BackendError(message, code="upstream_error")
 
 

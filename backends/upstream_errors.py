@@ -6,8 +6,12 @@
     HTTP 401/403                       502 upstream_auth_failed (the gateway's own upstream key, not the caller's)
     HTTP 3xx                           502 upstream_error (never followed)
     HTTP 429                           429 upstream_rate_limited (with a usable Retry-After, as whole seconds)
+    HTTP 529, overloaded_error         503 upstream_overloaded (Anthropic's "overloaded")
     HTTP 5xx, other statuses           502 upstream_error
-    HTTP 400/409/413/415/422           400 (413) with the upstream's code, else invalid_request
+    HTTP 404                           404 model_not_found (or the upstream's code): the request's, not the
+                                           deployment's failure, so it neither retries nor cools the deployment
+    HTTP 400/409/413/415/422           400 (413) with the upstream's code, else invalid_request; a code that says
+                                           the gateway's upstream key is bad: 502 upstream_auth_failed
     cannot connect                     502 upstream_unreachable
     deadline passed / no event in time 504 upstream_timeout
     connection closed                  502 upstream_error
@@ -29,13 +33,16 @@ from gateway.errors import (
     BackendError,
     GatewayError,
     InvalidRequestError,
+    NotFoundError,
     UpstreamRateLimitedError,
     UpstreamTimeoutError,
 )
 
 __all__ = ["UpstreamErrors"]
 
-_KEY_PATTERN = re.compile(r"(sk|key|token)[-_][A-Za-z0-9_\-*.]{6,}", re.IGNORECASE)
+_KEY_PATTERN = re.compile(r"(sk|key|token|org)[-_][A-Za-z0-9_\-*.]{6,}", re.IGNORECASE)  # org-: OpenAI's org ids
+# Codes (or Google's error reasons) with which some upstreams answer a bad key with 400 instead of 401.
+_AUTH_CODES = frozenset({"invalid_api_key", "authentication_error", "permission_error", "API_KEY_INVALID"})
 _MAX_MESSAGE = 300
 
 
@@ -51,7 +58,8 @@ class UpstreamErrors:
 
     def status(self, status: int, content: bytes, headers: CIMultiDictProxy[str]) -> GatewayError:
         """An answer with a failure status (`content`: its body, possibly cut short)."""
-        if status in (401, 403):
+        code = _upstream_code(content)
+        if status in (401, 403) or (status == 400 and code in _AUTH_CODES):
             return BackendError(
                 f"The upstream of deployment {self.name!r} rejected the gateway's own upstream credentials "
                 f"(HTTP {status}). This is not about your API key: the gateway operator must fix the deployment's "
@@ -76,12 +84,24 @@ class UpstreamErrors:
                 f"The upstream is rate limiting the gateway (HTTP 429: {detail}). Retry after {wait} s.",
                 headers={"retry-after": wait},
             )
+        if status == 529 or code == "overloaded_error":
+            return BackendError(
+                f"The upstream of deployment {self.name!r} is overloaded (HTTP {status}: {detail}). Retry later.",
+                code="upstream_overloaded",
+                status_code=503,
+            )
         if status >= 500:
             return BackendError(
                 f"The upstream failed with HTTP {status} ({detail}). Retry later.", code="upstream_error"
             )
+        if status == 404:
+            return NotFoundError(
+                f"The upstream of deployment {self.name!r} answered HTTP 404 ({detail}): it does not serve the "
+                "model the request named (check the model id), or the deployment's base_url is wrong.",
+                code=code or "model_not_found",
+                param="model",
+            )
         if status in (400, 409, 413, 415, 422):
-            code = _upstream_code(content)
             return InvalidRequestError(
                 f"The upstream rejected the request (HTTP {status}): {detail}",
                 code=code or "invalid_request",
@@ -156,9 +176,16 @@ def _loads_or_none(content: bytes) -> Any:
 
 
 def _upstream_code(content: bytes) -> str | None:
+    """The upstream's error code: OpenAI's `error.code`, Anthropic's `overloaded_error` type, or the `reason` of
+    Google's `error.details` (its bad key is 400 INVALID_ARGUMENT with reason API_KEY_INVALID)."""
     data = _loads_or_none(content)
-    if isinstance(data, dict) and isinstance(data.get("error"), dict):
-        code = data["error"].get("code")
-        if isinstance(code, str) and code.replace("_", "").isalnum():
+    error = data.get("error") if isinstance(data, dict) else None
+    if not isinstance(error, dict):
+        return None
+    details = error.get("details")
+    reasons = [d.get("reason") for d in details if isinstance(d, dict)] if isinstance(details, list) else []
+    overloaded = "overloaded_error" if error.get("type") == "overloaded_error" else None
+    for code in (error.get("code"), overloaded, *reasons):
+        if isinstance(code, str) and code.replace("_", "").isalnum() and len(code) <= 64:
             return code
     return None

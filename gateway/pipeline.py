@@ -24,6 +24,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any
 
+import orjson
 from starlette.requests import Request
 
 from auth.base import AccessControl, Admission, SettleUsage, UpstreamLease, UpstreamLimiter, extract_credential
@@ -148,6 +149,8 @@ class Call:
         self._first: Json | None = None
         self._deployment: Deployment | None = None
         self._served_by: Deployment | None = None  # the deployment of a non-streaming answer (for its price)
+        self._served_target = target  # the model that answered: the requested one, or a fallback (for its price)
+        self._is_answered = False  # a non-streaming answer came back
         self._lease: UpstreamLease | None = None
         self._is_closed = False
         self._is_settle_queued = False  # exactly once per call
@@ -162,16 +165,19 @@ class Call:
         """The non-streaming response, validated/repaired, after retries and fallbacks."""
 
         async def attempt(deployment: Deployment, target: Target) -> Json:
-            self._served_by = deployment  # the last attempt is the one that answered
+            self._served_by, self._served_target = deployment, target  # the last attempt is the one that answered
             return await self._send_attempt(deployment, target)
 
         try:
-            data = await self.router.execute(self.target, attempt)
+            data = await self.router.execute(self.target, attempt, may_use=self.admission.principal.may_use)
         except BaseException:
             await self.aclose()
             raise
         usage = data.get("usage")
         self._usage = usage if isinstance(usage, dict) else None
+        self._is_answered = True
+        if not _has_counts(self._usage):
+            self._num_completion_chars = _answer_chars(data)  # charged as an estimate: see `_begin_settle`
         await self._finish()
         return data
 
@@ -244,7 +250,7 @@ class Call:
 
     async def open_stream(self) -> None:
         # Waiting for the first chunk may take minutes: stop (and release everything) if the client goes away.
-        attempts = self.router.execute(self.target, self._stream_attempt)
+        attempts = self.router.execute(self.target, self._stream_attempt, may_use=self.admission.principal.may_use)
         self._upstream, self._first = await unless_disconnected(attempts)
 
     # --- attempts (one per deployment try; the router retries / falls back around them) ----------------------
@@ -300,7 +306,7 @@ class Call:
             await self._release(lease)
             raise
         self.metrics.observe_upstream(deployment.name, "ok", time.perf_counter() - started)
-        self._deployment, self._lease = deployment, lease
+        self._deployment, self._lease, self._served_target = deployment, lease, target
         return upstream, first
 
     def _note_clamp(self, *reports: tuple[int, int] | None) -> None:
@@ -378,10 +384,16 @@ class Call:
         if "prompt_tokens" not in usage:
             num_prompt += _int(usage.get("cache_read_input_tokens")) + _int(usage.get("cache_creation_input_tokens"))
         num_completion = _int(usage.get("completion_tokens", usage.get("output_tokens")))
-        if not usage and self._first is None and self._upstream is not None:
-            # The stream ran (perhaps cut short) without reporting usage: charge what we can estimate.
+        has_run = self._is_answered or (self._first is None and self._upstream is not None)
+        if has_run and not _has_counts(usage):
+            # An answer (or a stream, perhaps cut short) without prompt/completion counts: charge what we can
+            # estimate — its total when it gave one, split prompt-first.
             num_prompt = self._num_prompt_tokens
             num_completion = -(-self._num_completion_chars // _CHARS_PER_TOKEN)
+            if "total_tokens" in usage:
+                num_total = _int(usage["total_tokens"])
+                num_prompt = min(num_prompt, num_total)
+                num_completion = num_total - num_prompt
         if num_prompt or num_completion:
             self.metrics.count_tokens(self.model, num_prompt, num_completion)
         pricing = self._pricing()
@@ -398,11 +410,12 @@ class Call:
         return self._settling
 
     def _pricing(self) -> PricingConfig | None:
-        """The price of this call: the serving deployment's, else its model's; None when neither has one."""
+        """The price of this call: the serving deployment's, else that of the model it serves (a fallback's own,
+        not the requested model's); None when neither has one."""
         deployment = self._deployment or self._served_by
         if deployment is not None and deployment.config.pricing is not None:
             return deployment.config.pricing
-        return self.target.route.config.pricing
+        return self._served_target.route.config.pricing
 
 
 def _add_slot_wait(error: UpstreamTimeoutError, slot_wait_s: float) -> None:
@@ -501,6 +514,35 @@ def _num_choices(body: Json) -> int:
 
 
 _MAX_USAGE_TOKENS = 2**40  # an upstream's usage figure is clamped to this (it cannot be trusted blindly)
+_COUNT_FIELDS = ("prompt_tokens", "completion_tokens", "input_tokens", "output_tokens")
+_ANSWER_FIELDS = frozenset(
+    {"choices", "message", "content", "text", "refusal", "thinking", "tool_calls", "function", "arguments", "output"}
+)
+
+
+def _has_counts(usage: Json | None) -> bool:
+    """Whether a usage object reports prompt or completion tokens (in any family's names)."""
+    return usage is not None and any(name in usage for name in _COUNT_FIELDS)
+
+
+def _answer_chars(data: Json) -> int:
+    """Characters of generated text and tool arguments in a non-streaming answer of any family (chat/completions
+    `choices`, Anthropic `content`, Responses `output`), for charging one that reported no usage."""
+    total = 0
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, dict):
+            for name, inner in value.items():
+                if name == "input" and value.get("type") == "tool_use":  # Anthropic tool arguments, as JSON
+                    total += len(orjson.dumps(inner)) if depth < _MAX_ESTIMATE_DEPTH else 0
+                elif name in _ANSWER_FIELDS and depth < _MAX_ESTIMATE_DEPTH:
+                    stack.append((inner, depth + 1))
+        elif isinstance(value, list) and depth < _MAX_ESTIMATE_DEPTH:
+            stack.extend((inner, depth + 1) for inner in value[:_MAX_ESTIMATE_PARTS])
+    return total
 
 
 def _int(value: Any) -> int:

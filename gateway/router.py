@@ -29,7 +29,9 @@ __all__ = ["Deployment", "ModelRoute", "Router", "Target"]
 T = TypeVar("T")
 
 # Worth another attempt (on another deployment when there is one): the upstream may answer next time.
-_RETRIABLE = frozenset({"upstream_unreachable", "upstream_error", "upstream_rate_limited", "upstream_at_capacity"})
+_RETRIABLE = frozenset(
+    {"upstream_unreachable", "upstream_error", "upstream_rate_limited", "upstream_at_capacity", "upstream_overloaded"}
+)
 # Worth another attempt on another deployment only: retrying the same one would wait its pool_timeout again.
 _NOT_AGAIN = frozenset({"upstream_at_capacity"})
 
@@ -145,10 +147,17 @@ class Router:
             names.extend(route.config.aliases)
         return names
 
-    async def execute(self, target: Target, attempt: Callable[[Deployment, Target], Awaitable[T]]) -> T:
-        """Run `attempt` on deployments of `target` (then of its fallbacks) until one succeeds."""
+    async def execute(
+        self,
+        target: Target,
+        attempt: Callable[[Deployment, Target], Awaitable[T]],
+        *,
+        may_use: Callable[[str], bool] | None = None,
+    ) -> T:
+        """Run `attempt` on deployments of `target` (then of its fallbacks that `may_use` allows: a key restricted
+        to some models is never served, nor charged, by another) until one succeeds."""
         last_error: GatewayError | None = None
-        for current in self._chain(target):
+        for current in self._chain(target, may_use):
             tried: set[str] = set()
             spent: set[str] = set()  # deployments this request must not try again (see `_NOT_AGAIN`)
             for attempt_number in range(1 + self.config.num_retries):
@@ -216,12 +225,14 @@ class Router:
     def is_cooling(self, deployment: Deployment) -> bool:
         return deployment.cooldown_until > self._clock()
 
-    def _chain(self, target: Target) -> list[Target]:
+    def _chain(self, target: Target, may_use: Callable[[str], bool] | None) -> list[Target]:
         chain = [target]
         names = self.fallbacks.get(target.requested) or self.fallbacks.get(target.route.id) or []
         for name in names:
             fallback = self.find(name)
-            if fallback is not None and fallback.route is not target.route:
+            if fallback is None or fallback.route is target.route:
+                continue
+            if may_use is None or may_use(fallback.model_id):
                 chain.append(fallback)
         return chain
 

@@ -9,6 +9,7 @@ key, model and day is exact. These are the flows of issue 18, which a settle-scr
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -222,3 +223,60 @@ async def test_absurd_usage_from_an_upstream_cannot_poison_a_key(
         assert await redis.pttl(log) > 0 and await redis.pttl(f"ug:{{{key_id}}}:tpm_sum") > 0
     finally:
         await redis.aclose()
+
+
+async def test_a_fallback_is_charged_its_own_price_and_only_for_keys_allowed_to_use_it(
+    redis_url: str, tmp_path: Path, fake_upstream: FakeUpstream
+) -> None:
+    """`cheap` fails (nothing listens at its base_url) and falls back to `pricey`: the answer costs what `pricey`
+    costs (7 × 100 + 3 × 100 = 1,000 micro-dollars, not cheap's 1), so the budget stops the second request; a key
+    restricted to `cheap` is never served (nor charged) by `pricey`, as it could not ask for it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]  # closed again below: connecting is refused
+    up = {"type": "openai", "base_url": fake_upstream.base_url, "api_key": "sk-up"}
+    down = {**up, "base_url": f"http://127.0.0.1:{closed_port}/v1", "name": "down"}
+    models = [
+        {"id": "cheap", "deployments": [down], "pricing": {"input_per_mtok": 0.1, "output_per_mtok": 0.1}},
+        {"id": "pricey", "deployments": [up], "pricing": {"input_per_mtok": 100, "output_per_mtok": 100}},
+    ]
+    with gateway_instances(redis_url, tmp_path, models, fallbacks={"cheap": ["pricey"]}) as (a, b):
+        async with httpx.AsyncClient(timeout=30) as client:
+            key_id, user = await create_key(client, a.url, budget_usd=0.0015)
+            statuses = [
+                await send(client, (a, b)[i % 2].url, "chat", user, stream=i == 1, model="cheap") for i in range(3)
+            ]
+            assert statuses == [200, 200, 429]  # 0 → 1,000 → 2,000 micro-dollars against a budget of 1,500
+            record = await settled_record(client, a.url, key_id, 2)
+            assert record["spend_usd"] == pytest.approx(2e-3)
+
+            narrow_id, narrow = await create_key(client, a.url, models=["cheap"], budget_usd=1)
+            path, payload = body("chat", stream=False, model="cheap")
+            refused = await client.post(b.url + path, json=payload, headers=narrow)
+            # `cheap` failed max_fails times on each instance above, so it is cooling down; nothing else may answer.
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "upstream_cooling_down"
+            record = await settled_record(client, a.url, narrow_id, 1)
+    assert record["spend_usd"] == 0 and len(fake_upstream.requests) == 2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("usage", [{}, {"total_tokens": 50}], ids=["no-counts", "total-only"])
+async def test_an_answer_without_token_counts_is_charged_an_estimate_not_nothing(
+    gateways: tuple[ThreadedServer, ThreadedServer],
+    fake_upstream: FakeUpstream,
+    family: str,
+    stream: bool,
+    usage: dict[str, Any],
+) -> None:
+    """An upstream whose usage has no prompt/completion counts must not make budgets and TPM free: the prompt
+    estimate ("hi": 1 token) plus the answer's characters / 4 is charged, or its `total_tokens` when it gave one."""
+    fake_upstream.behave(usage=usage)
+    a, _ = gateways
+    async with httpx.AsyncClient(timeout=30) as client:
+        key_id, user = await create_key(client, a.url, token_budget=1000)
+        assert await send(client, a.url, family, user, stream=stream) == 200
+        record = await settled_record(client, a.url, key_id, 1)
+    # Streams send "t0 t1 t2 " (9 characters: 3 tokens); answers "Hello from the fake upstream" (28: 7 tokens).
+    expected = 50 if usage else 1 + (3 if stream else 7)
+    assert record["tokens_spent"] == expected

@@ -16,7 +16,6 @@ from backends.base import Backend
 from gateway.errors import (
     BackendError,
     InvalidRequestError,
-    UnavailableError,
     UpstreamRateLimitedError,
     UpstreamTimeoutError,
 )
@@ -112,7 +111,7 @@ async def test_unsupported_endpoint(backend: AnthropicBackend) -> None:
         ("claude-429", UpstreamRateLimitedError, "upstream_rate_limited", 429),
         ("claude-400", InvalidRequestError, "invalid_request", 400),
         ("claude-500", BackendError, "upstream_error", 502),
-        ("claude-529", BackendError, "upstream_error", 502),
+        ("claude-529", BackendError, "upstream_overloaded", 503),
         ("claude-html", BackendError, "upstream_malformed_response", 502),
         ("claude-slow", UpstreamTimeoutError, "upstream_timeout", 504),
     ],
@@ -168,7 +167,7 @@ async def test_unreachable_upstream() -> None:
     [
         ("claude-cut", BackendError, "ended before"),
         ("claude-reset", BackendError, "middle of the stream"),
-        ("claude-error", UnavailableError, "Overloaded"),
+        ("claude-error", BackendError, "Overloaded"),
     ],
 )
 async def test_stream_breaking_mid_way(

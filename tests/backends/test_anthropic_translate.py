@@ -11,7 +11,7 @@ from fakes.streams import SourceClosed, chunk, collect, source, tool_delta, usag
 from pydantic import TypeAdapter
 
 from backends.anthropic_translate import chat_to_messages, events_to_chat_chunks, message_to_chat
-from gateway.errors import BackendError, InvalidRequestError, UnavailableError, UpstreamRateLimitedError
+from gateway.errors import BackendError, InvalidRequestError, UpstreamRateLimitedError
 from gateway.translate import chat_chunks_to_events
 
 _MESSAGE_PARAMS = TypeAdapter(list[MessageParam])
@@ -275,18 +275,21 @@ async def test_event_stream_to_chunks() -> None:
 
 
 @pytest.mark.parametrize(
-    ("error_type", "error_class"),
+    ("error_type", "error_class", "code", "status"),
     [
-        ("overloaded_error", UnavailableError),
-        ("rate_limit_error", UpstreamRateLimitedError),
-        ("api_error", BackendError),
+        ("overloaded_error", BackendError, "upstream_overloaded", 503),  # as the same answer before the stream
+        ("rate_limit_error", UpstreamRateLimitedError, "upstream_rate_limited", 429),
+        ("api_error", BackendError, "upstream_error", 502),
     ],
 )
-async def test_error_event_raises_and_closes_the_source(error_type: str, error_class: type[Exception]) -> None:
+async def test_error_event_raises_and_closes_the_source(
+    error_type: str, error_class: type[BackendError], code: str, status: int
+) -> None:
     closed = SourceClosed()
     events = [*_anthropic_stream()[:4], {"type": "error", "error": {"type": error_type, "message": "Overloaded"}}]
-    with pytest.raises(error_class, match="Overloaded"):
+    with pytest.raises(error_class, match="Overloaded") as raised:
         await collect(events_to_chat_chunks(source(events, closed=closed), model="m"))
+    assert (raised.value.code, raised.value.status_code) == (code, status)
     assert closed.is_closed
 
 

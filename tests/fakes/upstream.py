@@ -263,11 +263,22 @@ class FakeUpstream:
         return True
 
     def _write_status(self, writer: asyncio.StreamWriter, behavior: Behavior) -> bool:
-        error = {"message": f"fake upstream error {behavior.status}", "type": "api_error", "code": None}
+        """An error status; `variant` is the upstream's error code, or a provider's shape: "anthropic:<type>" or
+        "google:<reason>" (Google answers a bad key with 400 INVALID_ARGUMENT, reason API_KEY_INVALID)."""
+        error: dict[str, Any] = {"message": f"fake upstream error {behavior.status}", "type": "api_error", "code": None}
+        body: dict[str, Any] = {"error": error}
         if behavior.status == 401:
             error["message"] = "Incorrect API key provided: sk-upstr********cret."
+        kind, _, name = behavior.variant.rpartition(":")
+        if kind == "anthropic":
+            body = {"type": "error", "error": {"type": name, "message": f"fake {name}"}}
+        elif kind == "google":
+            error.update(code=behavior.status, status="INVALID_ARGUMENT", message="API key not valid.")
+            error["details"] = [{"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": name}]
+        elif name:
+            error["code"] = name
         extra = {"retry-after": behavior.retry_after} if behavior.retry_after else {}
-        _write(writer, behavior.status, orjson.dumps({"error": error}), extra_headers=extra)
+        _write(writer, behavior.status, orjson.dumps(body), extra_headers=extra)
         return True
 
     async def _stream(

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 from fakes.access import RecordingAccess
-from fakes.app import AUTH, CHAT, MASTER, asgi_client, build_app, make_settings, single_model
+from fakes.app import AUTH, CHAT, MASTER, asgi_client, build_app, deployment, make_settings, single_model
 from fakes.upstream import MALFORMED_VARIANTS, Behavior, FakeUpstream
 from starlette.requests import Request
 from starlette.responses import Response
@@ -119,8 +119,14 @@ async def test_body_over_limit_is_413(fake_upstream: FakeUpstream) -> None:
         (Behavior(mode="status", status=403), 502, "upstream_auth_failed"),
         (Behavior(mode="status", status=500), 502, "upstream_error"),
         (Behavior(mode="status", status=503), 502, "upstream_error"),
-        (Behavior(mode="status", status=404), 502, "upstream_error"),
+        (Behavior(mode="status", status=404), 404, "model_not_found"),
+        (Behavior(mode="status", status=404, variant="model_not_found"), 404, "model_not_found"),
         (Behavior(mode="status", status=400), 400, "invalid_request"),
+        (Behavior(mode="status", status=400, variant="context_length_exceeded"), 400, "context_length_exceeded"),
+        (Behavior(mode="status", status=400, variant="invalid_api_key"), 502, "upstream_auth_failed"),
+        (Behavior(mode="status", status=400, variant="google:API_KEY_INVALID"), 502, "upstream_auth_failed"),
+        (Behavior(mode="status", status=529, variant="anthropic:overloaded_error"), 503, "upstream_overloaded"),
+        (Behavior(mode="status", status=503, variant="anthropic:overloaded_error"), 503, "upstream_overloaded"),
         (Behavior(mode="drop"), 502, "upstream_error"),
         (Behavior(mode="html"), 502, "upstream_malformed_response"),
     ],
@@ -129,7 +135,7 @@ async def test_upstream_failures_map_to_codes(
     fake_upstream: FakeUpstream, behavior: Behavior, status: int, code: str
 ) -> None:
     fake_upstream.behave(behavior)
-    error = assert_envelope(await post(fake_upstream), status, code)
+    error = assert_envelope(await post(fake_upstream), status, code, param="model" if status == 404 else None)
     if code == "upstream_auth_failed":
         assert "not about your API key" in error["message"]
     if behavior.mode == "html":
@@ -272,3 +278,26 @@ async def test_unknown_route_and_method_use_the_envelope(fake_upstream: FakeUpst
         assert_envelope(missing, 404, "not_found")
         wrong = await client.get("/v1/chat/completions", headers=AUTH)
         assert_envelope(wrong, 405, "method_not_allowed")
+
+
+async def test_an_unknown_upstream_model_is_the_requests_failure_not_the_deployments(
+    fake_upstream: FakeUpstream,
+) -> None:
+    """A wildcard route forwards any name: a typo answered 404 by the upstream must not be retried, fall back, or
+    count toward the deployment's cooldown — or one request would take every model of the route out."""
+    routing = {
+        "models": [
+            {"id": "oa/*", "deployments": [deployment(fake_upstream)]},
+            {"id": "spare", "deployments": [deployment(fake_upstream)]},
+        ],
+        "fallbacks": {"oa/*": ["spare"]},
+        "router": {"num_retries": 2, "max_fails": 1, "retry_backoff_s": 0.001, "max_backoff_s": 0.01},
+    }
+    async with asgi_client(build_app(routing)) as client:
+        for _ in range(3):
+            fake_upstream.queue(Behavior(mode="status", status=404, variant="model_not_found"))
+            response = await client.post("/v1/chat/completions", json={**CHAT, "model": "oa/nosuch"}, headers=AUTH)
+            assert_envelope(response, 404, "model_not_found", param="model")
+        assert [r.body["model"] for r in fake_upstream.requests] == ["nosuch"] * 3  # one attempt each, no fallback
+        response = await client.post("/v1/chat/completions", json={**CHAT, "model": "oa/gpt-x"}, headers=AUTH)
+        assert response.status_code == 200, response.text
