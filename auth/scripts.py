@@ -442,5 +442,5 @@ async def update_key(
     redis: Target, *, key_id: str, fields: dict[str, str], scripts: ScriptSet = DEFAULT_SCRIPTS
 ) -> int:
     """Set `fields` on an existing record and bump its version; 0 when there is no such record."""
-    args = [item for pair in fields.items() for item in pair]
+    args = [redis_names.key_prefix(key_id), *(item for pair in fields.items() for item in pair)]
     return int(await scripts.update(redis, (redis_names.key_record(key_id),), args))

@@ -119,6 +119,21 @@ class KeyModel:
             return "tokens_limit_exceeded"
         return "ok"
 
+    def change_period(self, budget_period: str, now: int) -> None:
+        """A new kind of period starts with what was already spent in it: today's usage, or this month's."""
+        if budget_period != self.budget_period and budget_period != "total":
+            today = _day(now)
+            days = [
+                day
+                for day in self.usage_days
+                if day == today or (budget_period == "month" and day[:7] == today[:7] and day <= today)
+            ]
+            rows = [row for day in days for row in self.usage_days[day].values()]
+            self.period_key = period_key(budget_period, now)
+            self.period_spent = sum(row[1] + row[2] for row in rows)
+            self.period_spend_micros = sum(row[3] for row in rows)
+        self.budget_period = budget_period
+
     def admit(self, now: int, lease_id: str, estimate: int) -> None:
         if self.rpm is not None:
             self.rpm_log.append(now)
@@ -253,7 +268,10 @@ class AccountingMachine(RuleBasedStateMachine):
         }[name]
         value = data.draw(strategy, label=name)
         self.run(self.store.update(key.id, {name: value}))
-        setattr(key, name, value)
+        if name == "budget_period":
+            key.change_period(value, self.now)
+        else:
+            setattr(key, name, value)
 
     @rule(key=keys)
     def rotate(self, key: KeyModel) -> None:

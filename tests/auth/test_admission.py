@@ -210,6 +210,25 @@ async def test_budget_exhaustion_is_insufficient_quota(
     await access.admit(secret, model="m", estimated_tokens=10)
 
 
+async def test_changing_the_budget_period_keeps_what_was_spent_in_it(
+    make_access: Any, new_key: Any, store: KeyStore
+) -> None:
+    """Spent this month (today) and switched to a daily budget: today's spend still counts, and back again."""
+    access = await make_access()
+    started_day = (await store.now_ms()) // 86_400_000
+    key_id, secret = await new_key(token_budget=1000, budget_period="month")
+    admission = await access.admit(secret, model="m", estimated_tokens=10)
+    await access.settle(admission, SettleUsage(1000, 200))
+    seen = []
+    for period in ["day", "month", "day", "total", "month"]:
+        await store.update(key_id, {"budget_period": period})
+        code = (await _admit_error(access, secret)).code
+        seen.append((period, code, (await store.get(key_id)).budget_spent(await store.now_ms())))
+    if (await store.now_ms()) // 86_400_000 != started_day:
+        pytest.skip("the UTC day changed during the test; the reference-model test covers period edges")
+    assert seen == [(period, "budget_exceeded", 1200) for period in ["day", "month", "day", "total", "month"]]
+
+
 async def test_headers_and_reset_format(make_access: Any, new_key: Any) -> None:
     access = await make_access()
     _, secret = await new_key(rpm=10, tpm=500)
