@@ -31,10 +31,22 @@ _MAX_BUDGET_USD = 1_000_000_000  # keeps micro-units far inside a Lua double's e
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
+def _has_control(text: str) -> bool:
+    return any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in text)
+
+
+def _check_name(name: str | None) -> str | None:
+    if name is not None and _has_control(name):
+        raise ValueError("names cannot contain control characters (newlines, tabs, NUL)")
+    return name
+
+
 def _check_patterns(models: list[str]) -> list[str]:
     for pattern in models:
         if not pattern or not pattern.strip():
             raise ValueError("model patterns must be non-empty strings")
+        if _has_control(pattern):
+            raise ValueError(f"model pattern {pattern!r} contains control characters")
         if "[" in pattern or "]" in pattern:
             raise ValueError(f"model pattern {pattern!r}: only exact ids and the wildcards '*' and '?' are supported")
     return models
@@ -57,6 +69,7 @@ class KeyCreateBody(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     _check_models = field_validator("models")(_check_patterns)
+    _check_name = field_validator("name")(_check_name)
 
     def record_fields(self) -> dict[str, Any]:
         return _to_record_fields(self.model_dump())
@@ -79,6 +92,7 @@ class KeyUpdateBody(BaseModel):
     metadata: dict[str, Any] | None = None
 
     _check_models = field_validator("models")(lambda models: None if models is None else _check_patterns(models))
+    _check_name = field_validator("name")(_check_name)
 
     def record_fields(self) -> dict[str, Any]:
         changes = self.model_dump(include=self.model_fields_set)
@@ -111,7 +125,8 @@ def parse_body(raw: bytes, model: type[BodyT]) -> BodyT:
     if not isinstance(data, dict):
         raise InvalidRequestError("The request body must be a JSON object.")
     try:
-        return model.model_validate(data)
+        # Strict: a limit is a JSON integer (not `true`, "60" or 60.0); budget_usd a number or decimal string.
+        return model.model_validate_json(raw if raw.strip() else b"{}", strict=True)
     except ValidationError as exc:
         error = exc.errors()[0]
         field = ".".join(str(part) for part in error["loc"]) or None

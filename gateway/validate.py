@@ -58,16 +58,25 @@ MAX_TOKEN_ID = 2**31 - 1
 _MAX_PARAM_KEY_CHARS = 64  # a `metadata` key longer than this (OpenAI's limit) is not repeated in `param`
 _INT64 = (-(2**63), 2**63 - 1)  # `seed`
 
+MAX_MODEL_CHARS = 256  # model ids are short; a wildcard route forwards any name, and usage is kept per name
+
 _Check = Callable[[str, Any], None]
 
 
 def require_model(body: Mapping[str, Any]) -> str:
-    """`model`, which every family requires: a non-empty string."""
+    """`model`, which every family requires: a non-empty string of at most `MAX_MODEL_CHARS` characters."""
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
         what = "missing" if model is None else "not a non-empty string"
         raise InvalidRequestError(
             f"`model` is {what}. Set it to a model ID from GET /v1/models.", code="invalid_request", param="model"
+        )
+    if len(model) > MAX_MODEL_CHARS:
+        raise InvalidRequestError(
+            f"`model` is {len(model)} characters long; model IDs have at most {MAX_MODEL_CHARS}. Set it to a model "
+            "ID from GET /v1/models.",
+            code="invalid_request",
+            param="model",
         )
     return model
 

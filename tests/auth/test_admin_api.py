@@ -112,6 +112,14 @@ async def test_patch_changes_only_sent_fields_and_null_clears(admin: httpx.Async
         ({"expires_at": "2099-01-01T00:00:00"}, "expires_at"),  # RFC 3339 needs an offset
         ({"budget_period": "week"}, "budget_period"),
         ({"unknown": 1}, "unknown"),
+        ({"rpm": True}, "rpm"),  # not coerced to a limit of 1
+        ({"tpm": "60"}, "tpm"),
+        ({"max_concurrent": 2.0}, "max_concurrent"),
+        ({"token_budget": 1e3}, "token_budget"),
+        ({"budget_usd": True}, "budget_usd"),
+        ({"name": "ops\r\nX-Injected: 1"}, "name"),
+        ({"name": "nul\u0000"}, "name"),
+        ({"models": ["gpt\n4"]}, "models"),
     ],
 )
 async def test_invalid_bodies_name_the_field(admin: httpx.AsyncClient, body: dict[str, Any], param: str) -> None:
@@ -119,6 +127,11 @@ async def test_invalid_bodies_name_the_field(admin: httpx.AsyncClient, body: dic
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
+    if body == {"expires_at": "2001-01-01T00:00:00Z"}:
+        return  # an update may set a past expiry: it ends the key now
+    created = (await admin.post("/admin/keys", json={})).json()
+    response = await admin.patch(f"/admin/keys/{created['id']}", json=body)  # the same rules on update
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
 async def test_malformed_json_is_400(admin: httpx.AsyncClient) -> None:

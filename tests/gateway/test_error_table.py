@@ -78,6 +78,7 @@ async def test_invalid_json_gives_position(fake_upstream: FakeUpstream) -> None:
     [
         ({"messages": CHAT["messages"]}, "model"),
         ({**CHAT, "model": 42}, "model"),
+        ({**CHAT, "model": "gpt-test" + "x" * 300}, "model"),  # over 256 characters: never forwarded nor recorded
         ({"model": "gpt-test"}, "messages"),
         ({**CHAT, "messages": []}, "messages"),
         ({**CHAT, "messages": "hi"}, "messages"),
@@ -301,3 +302,15 @@ async def test_an_unknown_upstream_model_is_the_requests_failure_not_the_deploym
         assert [r.body["model"] for r in fake_upstream.requests] == ["nosuch"] * 3  # one attempt each, no fallback
         response = await client.post("/v1/chat/completions", json={**CHAT, "model": "oa/gpt-x"}, headers=AUTH)
         assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"])
+async def test_an_overlong_model_name_is_refused_on_every_route(fake_upstream: FakeUpstream, path: str) -> None:
+    """A wildcard route forwards any name and usage is kept per name: a 300 KB name must not reach Redis."""
+    app = build_app({"models": [{"id": "oa/*", "deployments": [deployment(fake_upstream)]}]})
+    body = {**CHAT, "model": "oa/" + "x" * 253, "prompt": "hi", "input": "hi", "max_tokens": 8}
+    async with asgi_client(app) as client:
+        assert (await client.post(path, json=body, headers=AUTH)).status_code == 200  # 256 characters: served
+        response = await client.post(path, json={**body, "model": "oa/" + "x" * 300_000}, headers=AUTH)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "model", response.text
+    assert len(fake_upstream.requests) == 1
