@@ -13,8 +13,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from backends.base import Json
-from backends.wire import DropLog, aclose_source, content_text, dumps, new_id, parse_arguments
-from gateway.errors import BackendError, InvalidRequestError, UpstreamRateLimitedError
+from backends.wire import DropLog, aclose_source, content_text, dumps, new_id, parse_arguments, usage_count
+from gateway.errors import BackendError, InvalidRequestError, UpstreamRateLimitedError, upstream_malformed
 
 __all__ = ["chat_to_messages", "error_from_event", "events_to_chat_chunks", "message_to_chat"]
 
@@ -191,25 +191,32 @@ def _add_tools(request: Json, body: Json, drops: DropLog) -> None:
 
 def message_to_chat(message: Json, *, model: str, created: int | None = None) -> Json:
     """A Messages response as a chat completion (`model` is the name the client asked for)."""
+    message = _object(message, "the body")
     texts: list[str] = []
     tool_calls: list[Json] = []
-    for block in message.get("content") or []:
+    content = message.get("content") or []
+    if not isinstance(content, list):
+        raise upstream_malformed(f"`content` is a {type(content).__name__}, not a list of blocks")
+    for position, block in enumerate(content):
+        block = _object(block, f"content[{position}]")
         if block.get("type") == "text":
-            texts.append(block.get("text", ""))
+            texts.append(_string(block.get("text", ""), f"content[{position}].text"))
         elif block.get("type") == "tool_use":
-            function = {"name": block.get("name", ""), "arguments": dumps(block.get("input") or {})}
-            tool_calls.append({"id": block.get("id") or new_id("call_"), "type": "function", "function": function})
+            name = _string(block.get("name", ""), f"content[{position}].name")
+            function = {"name": name, "arguments": dumps(block.get("input") or {})}
+            call_id = _string(block.get("id") or new_id("call_"), f"content[{position}].id")
+            tool_calls.append({"id": call_id, "type": "function", "function": function})
     chat_message: Json = {"role": "assistant", "content": "".join(texts) if texts or not tool_calls else None}
     if tool_calls:
         chat_message["tool_calls"] = tool_calls
     choice = {
         "index": 0,
         "message": chat_message,
-        "finish_reason": _FINISH_REASONS.get(message.get("stop_reason") or "end_turn", "stop"),
+        "finish_reason": _FINISH_REASONS.get(_stop_reason(message.get("stop_reason")), "stop"),
         "logprobs": None,
     }
     return {
-        "id": message.get("id") or new_id("chatcmpl-"),
+        "id": message["id"] if isinstance(message.get("id"), str) and message["id"] else new_id("chatcmpl-"),
         "object": "chat.completion",
         "created": created if created is not None else int(time.time()),
         "model": model,
@@ -218,13 +225,36 @@ def message_to_chat(message: Json, *, model: str, created: int | None = None) ->
     }
 
 
+def _stop_reason(value: Any) -> str:
+    return value if isinstance(value, str) and value else "end_turn"
+
+
+def _object(value: Any, where: str) -> Json:
+    if not isinstance(value, dict):
+        raise upstream_malformed(f"`{where}` is a {type(value).__name__}, not an object")
+    return value
+
+
+def _string(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise upstream_malformed(f"`{where}` is a {type(value).__name__}, not a string")
+    return value
+
+
+def _index(event: Json) -> int:
+    index = event.get("index", 0)
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise upstream_malformed(f"a {event.get('type')} event's `index` is not an integer")
+    return index
+
+
 def chat_usage(usage: Any) -> Json:
     """Chat usage counts cache reads and writes inside `prompt_tokens`; Anthropic counts them apart."""
     usage = usage if isinstance(usage, dict) else {}
-    cache_read = int(usage.get("cache_read_input_tokens") or 0)
-    cache_write = int(usage.get("cache_creation_input_tokens") or 0)
-    prompt_tokens = int(usage.get("input_tokens") or 0) + cache_read + cache_write
-    completion_tokens = int(usage.get("output_tokens") or 0)
+    cache_read = usage_count(usage.get("cache_read_input_tokens"))
+    cache_write = usage_count(usage.get("cache_creation_input_tokens"))
+    prompt_tokens = usage_count(usage.get("input_tokens")) + cache_read + cache_write
+    completion_tokens = usage_count(usage.get("output_tokens"))
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -289,19 +319,24 @@ class _ChunkBuilder:
         }
 
     def feed(self, event: Json, *, include_usage: bool) -> list[Json]:
-        kind = event.get("type")
+        kind = _object(event, "a stream event").get("type")
         if kind == "message_start":
-            message = event.get("message") or {}
-            self.chunk_id = message.get("id") or self.chunk_id
-            self.usage.update(message.get("usage") or {})
+            message = _object(event.get("message") or {}, "message_start.message")
+            chunk_id = message.get("id")
+            self.chunk_id = chunk_id if isinstance(chunk_id, str) and chunk_id else self.chunk_id
+            self.usage.update(_object(message.get("usage") or {}, "message_start.message.usage"))
             return [self.chunk({"role": "assistant", "content": ""})]
         if kind == "content_block_start":
-            return self._block_start(int(event.get("index", 0)), event.get("content_block") or {})
+            block = _object(event.get("content_block") or {}, "content_block_start.content_block")
+            return self._block_start(_index(event), block)
         if kind == "content_block_delta":
-            return self._block_delta(int(event.get("index", 0)), event.get("delta") or {})
+            return self._block_delta(_index(event), _object(event.get("delta") or {}, "content_block_delta.delta"))
         if kind == "message_delta":
-            self.stop_reason = (event.get("delta") or {}).get("stop_reason") or self.stop_reason
-            self.usage.update({k: v for k, v in (event.get("usage") or {}).items() if v is not None})
+            delta = _object(event.get("delta") or {}, "message_delta.delta")
+            stop_reason = delta.get("stop_reason")
+            self.stop_reason = stop_reason if isinstance(stop_reason, str) and stop_reason else self.stop_reason
+            usage = _object(event.get("usage") or {}, "message_delta.usage")
+            self.usage.update({k: v for k, v in usage.items() if v is not None})
             return []
         if kind == "message_stop":
             self.is_done = True
@@ -319,17 +354,19 @@ class _ChunkBuilder:
     def _block_start(self, index: int, block: Json) -> list[Json]:
         if block.get("type") == "tool_use":
             tool_index = self.tool_indexes[index] = len(self.tool_indexes)
-            function = {"name": block.get("name", ""), "arguments": ""}
-            call = {"index": tool_index, "id": block.get("id") or new_id("call_"), "type": "function"}
+            function = {"name": _string(block.get("name", ""), "content_block.name"), "arguments": ""}
+            call_id = _string(block.get("id") or new_id("call_"), "content_block.id")
+            call = {"index": tool_index, "id": call_id, "type": "function"}
             return [self.chunk({"tool_calls": [{**call, "function": function}]})]
         if block.get("type") == "text" and block.get("text"):
-            return [self.chunk({"content": block["text"]})]
+            return [self.chunk({"content": _string(block["text"], "content_block.text")})]
         return []
 
     def _block_delta(self, index: int, delta: Json) -> list[Json]:
         if delta.get("type") == "text_delta":
-            return [self.chunk({"content": delta.get("text", "")})]
+            return [self.chunk({"content": _string(delta.get("text", ""), "text_delta.text")})]
         if delta.get("type") == "input_json_delta" and index in self.tool_indexes:
-            call = {"index": self.tool_indexes[index], "function": {"arguments": delta.get("partial_json", "")}}
+            arguments = _string(delta.get("partial_json", ""), "input_json_delta.partial_json")
+            call = {"index": self.tool_indexes[index], "function": {"arguments": arguments}}
             return [self.chunk({"tool_calls": [call]})]
         return []  # thinking and signature deltas have no chat equivalent

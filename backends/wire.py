@@ -14,7 +14,7 @@ import orjson
 
 from backends.base import Json
 
-__all__ = ["DropLog", "aclose_source", "content_text", "dumps", "new_id", "parse_arguments"]
+__all__ = ["DropLog", "aclose_source", "content_text", "dumps", "new_id", "parse_arguments", "usage_count"]
 
 logger = logging.getLogger("unigate.translate")
 
@@ -26,6 +26,17 @@ def new_id(prefix: str) -> str:
 
 def dumps(value: Any) -> str:
     return orjson.dumps(value).decode()
+
+
+MAX_USAGE_COUNT = 2**40  # an upstream's usage figure is clamped to this (it cannot be trusted blindly)
+
+
+def usage_count(value: Any) -> int:
+    """A token count from an upstream as a sane integer: negative, fractional, huge or non-numeric (a string, a
+    boolean, NaN) → clamped, never an exception."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value or value <= 0:
+        return 0
+    return int(min(value, MAX_USAGE_COUNT))
 
 
 class DropLog:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from backends.base import Endpoint, Json
 from gateway.errors import upstream_malformed
 
@@ -88,6 +90,8 @@ def _check_message(message: Any, where: str, *, is_chunk: bool) -> None:
     tool_calls = message.get("tool_calls")
     if tool_calls is not None and not isinstance(tool_calls, list):
         raise upstream_malformed(f"`{where}.tool_calls` is a {type(tool_calls).__name__}, not a list")
+    for position, call in enumerate(tool_calls or ()):
+        _check_tool_call(call, f"{where}.tool_calls[{position}]", is_chunk=is_chunk)
     content = message.get("content")
     if content is not None and not isinstance(content, (str, list)):
         raise upstream_malformed(f"`{where}.content` is a {type(content).__name__}, not a string")
@@ -100,6 +104,26 @@ def _check_message(message: Any, where: str, *, is_chunk: bool) -> None:
             message["content"] = None
         else:
             raise upstream_malformed(f"`{where}` has neither `content` nor `tool_calls`")
+
+
+def _check_tool_call(call: Any, where: str, *, is_chunk: bool) -> None:
+    """A tool call's fields have the types every client (and our translators) read; a chunk's carry only what
+    changed, so only those present are checked. Arguments sent as an object are repaired to its JSON text."""
+    if not isinstance(call, dict):
+        raise upstream_malformed(f"`{where}` is a {type(call).__name__}, not an object")
+    for name, kind in (("id", str), ("type", str), ("index", int)):
+        if call.get(name) is not None and (not isinstance(call[name], kind) or isinstance(call[name], bool)):
+            raise upstream_malformed(f"`{where}.{name}` is a {type(call[name]).__name__}, not a {kind.__name__}")
+    function = call.get("function")
+    if function is None and is_chunk:
+        return
+    if not isinstance(function, dict):
+        raise upstream_malformed(f"`{where}.function` is {'missing' if function is None else 'not an object'}")
+    if isinstance(function.get("arguments"), dict):
+        function["arguments"] = orjson.dumps(function["arguments"]).decode()
+    for name in ("name", "arguments"):
+        if function.get(name) is not None and not isinstance(function[name], str):
+            raise upstream_malformed(f"`{where}.function.{name}` is a {type(function[name]).__name__}, not a string")
 
 
 def _check_embeddings(body: Json) -> None:

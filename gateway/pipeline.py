@@ -29,6 +29,7 @@ from starlette.requests import Request
 
 from auth.base import AccessControl, Admission, SettleUsage, UpstreamLease, UpstreamLimiter, extract_credential
 from backends.base import Endpoint, Json
+from backends.wire import usage_count
 from gateway.disconnect import unless_disconnected
 from gateway.errors import GatewayError, InvalidRequestError, UpstreamTimeoutError, upstream_malformed
 from gateway.metrics import GatewayMetrics
@@ -380,10 +381,12 @@ class Call:
         self._is_settle_queued = True
         usage = self._usage or {}
         # OpenAI names, else Anthropic / Responses names (Anthropic counts cached input tokens apart).
-        num_prompt = _int(usage.get("prompt_tokens", usage.get("input_tokens")))
+        num_prompt = usage_count(usage.get("prompt_tokens", usage.get("input_tokens")))
         if "prompt_tokens" not in usage:
-            num_prompt += _int(usage.get("cache_read_input_tokens")) + _int(usage.get("cache_creation_input_tokens"))
-        num_completion = _int(usage.get("completion_tokens", usage.get("output_tokens")))
+            num_prompt += usage_count(usage.get("cache_read_input_tokens")) + usage_count(
+                usage.get("cache_creation_input_tokens")
+            )
+        num_completion = usage_count(usage.get("completion_tokens", usage.get("output_tokens")))
         has_run = self._is_answered or (self._first is None and self._upstream is not None)
         if has_run and not _has_counts(usage):
             # An answer (or a stream, perhaps cut short) without prompt/completion counts: charge what we can
@@ -391,7 +394,7 @@ class Call:
             num_prompt = self._num_prompt_tokens
             num_completion = -(-self._num_completion_chars // _CHARS_PER_TOKEN)
             if "total_tokens" in usage:
-                num_total = _int(usage["total_tokens"])
+                num_total = usage_count(usage["total_tokens"])
                 num_prompt = min(num_prompt, num_total)
                 num_completion = num_total - num_prompt
         if num_prompt or num_completion:
@@ -513,7 +516,6 @@ def _num_choices(body: Json) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
 
 
-_MAX_USAGE_TOKENS = 2**40  # an upstream's usage figure is clamped to this (it cannot be trusted blindly)
 _COUNT_FIELDS = ("prompt_tokens", "completion_tokens", "input_tokens", "output_tokens")
 _ANSWER_FIELDS = frozenset(
     {"choices", "message", "content", "text", "refusal", "thinking", "tool_calls", "function", "arguments", "output"}
@@ -521,8 +523,12 @@ _ANSWER_FIELDS = frozenset(
 
 
 def _has_counts(usage: Json | None) -> bool:
-    """Whether a usage object reports prompt or completion tokens (in any family's names)."""
-    return usage is not None and any(name in usage for name in _COUNT_FIELDS)
+    """Whether a usage object reports prompt or completion tokens as numbers (in any family's names)."""
+    if usage is None:
+        return False
+    return any(
+        isinstance(usage.get(name), int | float) and not isinstance(usage.get(name), bool) for name in _COUNT_FIELDS
+    )
 
 
 def _answer_chars(data: Json) -> int:
@@ -543,12 +549,3 @@ def _answer_chars(data: Json) -> int:
         elif isinstance(value, list) and depth < _MAX_ESTIMATE_DEPTH:
             stack.extend((inner, depth + 1) for inner in value[:_MAX_ESTIMATE_PARTS])
     return total
-
-
-def _int(value: Any) -> int:
-    """A usage count from an upstream as a sane integer: negative, fractional, huge or non-numeric → clamped."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
-        return 0
-    if value <= 0:
-        return 0
-    return int(min(value, _MAX_USAGE_TOKENS))

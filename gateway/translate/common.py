@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from backends.wire import DropLog, aclose_source, content_text, dumps, new_id, parse_arguments
+from backends.wire import DropLog, aclose_source, content_text, dumps, new_id, parse_arguments, usage_count
 from gateway.errors import InvalidRequestError
 
 __all__ = [
@@ -143,4 +143,5 @@ def usage_counts(usage: Any) -> tuple[int, int, int]:
         return 0, 0, 0
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), int(cached or 0)
+    prompt, completion = usage_count(usage.get("prompt_tokens")), usage_count(usage.get("completion_tokens"))
+    return prompt, completion, usage_count(cached)

@@ -3,6 +3,7 @@ round trip through the gateway's own Messages translation)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -326,3 +327,44 @@ async def test_round_trip_chat_to_anthropic_events_and_back() -> None:
         "total_tokens": 17,
         "prompt_tokens_details": {"cached_tokens": 0},
     }
+
+
+@pytest.mark.parametrize(
+    ("message", "says"),
+    [
+        ({"content": 42}, "`content` is a int"),
+        ({"content": ["hello"]}, "`content[0]` is a str"),
+        ({"content": [{"type": "text", "text": 7}]}, "`content[0].text` is a int"),
+        ({"content": [{"type": "tool_use", "id": "t", "name": ["f"], "input": {}}]}, "`content[0].name` is a list"),
+        ([{"content": []}], "`the body` is a list"),
+    ],
+)
+def test_a_wrong_shaped_message_is_the_upstreams_502_not_our_500(message: Any, says: str) -> None:
+    with pytest.raises(BackendError, match=re.escape(says)) as raised:
+        message_to_chat(message, model="m")
+    assert raised.value.code == "upstream_malformed_response"
+
+
+def test_garbage_usage_and_stop_reason_are_read_safely() -> None:
+    message = {"content": [], "stop_reason": ["x"], "usage": {"input_tokens": "abc", "output_tokens": 2.5}}
+    chat = message_to_chat(message, model="m")
+    assert chat["choices"][0]["finish_reason"] == "stop"
+    assert (chat["usage"]["prompt_tokens"], chat["usage"]["completion_tokens"]) == (0, 2)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"type": "content_block_delta", "index": "zero", "delta": {"type": "text_delta", "text": "x"}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": 5}},
+        {"type": "content_block_delta", "index": 0, "delta": "x"},
+        {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": [1]},
+        ["not", "an", "event"],
+    ],
+)
+async def test_a_wrong_shaped_stream_event_is_the_upstreams_502(bad: Any) -> None:
+    closed = SourceClosed()
+    events = [*_anthropic_stream()[:3], bad]
+    with pytest.raises(BackendError) as raised:
+        await collect(events_to_chat_chunks(source(events, closed=closed), model="m"))
+    assert raised.value.code == "upstream_malformed_response" and closed.is_closed

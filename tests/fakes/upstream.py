@@ -70,10 +70,12 @@ MALFORMED_VARIANTS = (
     "no_message",  # a choice without `message` / `text`
     "wrong_types",  # `message.content` is a number
     "array_body",  # the body is a JSON array
+    "tool_call_types",  # `tool_calls: [{"id": 5, "function": 7}]`
     # repairable (the gateway fixes these and answers 200):
     "missing_index",
     "missing_finish_reason",
     "tool_calls_no_content",
+    "tool_calls_arguments_object",  # `arguments` an object, not its JSON text
 )
 
 
@@ -513,9 +515,12 @@ def _malformed_body(variant: str, request: dict[str, Any]) -> bytes:
         del choice["index"]
     elif variant == "missing_finish_reason":
         del choice["finish_reason"]
-    elif variant == "tool_calls_no_content":
+    elif variant == "tool_call_types":
+        choice["message"]["tool_calls"] = [{"id": 5, "function": 7}]
+    elif variant in ("tool_calls_no_content", "tool_calls_arguments_object"):
         del choice["message"]["content"]
-        call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        arguments: Any = {"city": "Paris"} if variant == "tool_calls_arguments_object" else "{}"
+        call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
         choice["message"]["tool_calls"] = [call]
         choice["finish_reason"] = "tool_calls"
     else:

@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from fakes.access import RecordingAccess
 from fakes.app import AUTH, CHAT, MASTER, asgi_client, build_app, deployment, make_settings, single_model
@@ -175,7 +176,7 @@ async def test_a_504_says_which_wait_ran_out_and_counts_the_wait_for_a_slot(fake
     assert re.search(r"waited \d+\.\d s for a free slot of this deployment \(max_in_flight\)", message), message
 
 
-@pytest.mark.parametrize("variant", [v for v in MALFORMED_VARIANTS if not v.startswith(("missing_", "tool_calls"))])
+@pytest.mark.parametrize("variant", [v for v in MALFORMED_VARIANTS if not v.startswith(("missing_", "tool_calls_"))])
 async def test_malformed_bodies_are_502_saying_what(fake_upstream: FakeUpstream, variant: str) -> None:
     fake_upstream.behave(mode="malformed", variant=variant)
     error = assert_envelope(await post(fake_upstream), 502, "upstream_malformed_response")
@@ -188,8 +189,42 @@ async def test_malformed_bodies_are_502_saying_what(fake_upstream: FakeUpstream,
         "no_message": "has no `message`",
         "wrong_types": "`choices[0].message.content` is a int",
         "array_body": "JSON list",
+        "tool_call_types": "`choices[0].message.tool_calls[0].id` is a int",
     }[variant]
     assert expected in error["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+@pytest.mark.parametrize("variant", ["wrong_types", "tool_call_types", "choice_not_object"])
+async def test_malformed_bodies_are_502_through_every_translation(
+    fake_upstream: FakeUpstream, path: str, variant: str
+) -> None:
+    """The chat answer a translation reads is checked first: a wrong type is the upstream's 502, never our 500."""
+    fake_upstream.behave(mode="malformed", variant=variant)
+    body = {**CHAT, "input": "hi", "max_tokens": 8}
+    async with asgi_client(build_app(single_model(fake_upstream, router={"num_retries": 0}))) as client:
+        response = await client.post(path, json=body, headers=AUTH)
+    assert response.status_code == 502, response.text
+    code = response.json()["error"].get("code") or response.json()["error"]["type"]
+    assert "malformed" in response.text and code in ("upstream_malformed_response", "api_error"), response.text
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
+@pytest.mark.parametrize(
+    "usage",
+    [
+        {"prompt_tokens": "abc", "completion_tokens": 3},
+        {"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": "x"}},
+    ],
+)
+async def test_garbage_usage_figures_are_read_as_zero_not_a_crash(
+    fake_upstream: FakeUpstream, path: str, usage: dict[str, Any]
+) -> None:
+    fake_upstream.behave(usage=usage)
+    body = {**CHAT, "input": "hi", "max_tokens": 8}
+    async with asgi_client(build_app(single_model(fake_upstream))) as client:
+        response = await client.post(path, json=body, headers=AUTH)
+    assert response.status_code == 200, response.text
 
 
 async def test_repairable_bodies_are_repaired(fake_upstream: FakeUpstream) -> None:
@@ -203,6 +238,9 @@ async def test_repairable_bodies_are_repaired(fake_upstream: FakeUpstream) -> No
         fake_upstream.behave(mode="malformed", variant="tool_calls_no_content")
         message = (await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)).json()["choices"][0]["message"]
         assert message["content"] is None and message["tool_calls"][0]["id"] == "call_1"
+        fake_upstream.behave(mode="malformed", variant="tool_calls_arguments_object")
+        message = (await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)).json()["choices"][0]["message"]
+        assert orjson.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
 
 
 class ExplodingBackend:

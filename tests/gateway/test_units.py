@@ -163,7 +163,12 @@ def test_normalize_rejects(mutate: Any, fragment: str) -> None:
 
 
 def test_normalize_repairs_the_unambiguous() -> None:
-    body = {"choices": [{"message": {"content": "hi"}}, {"message": {"tool_calls": [{"id": "c"}]}}]}
+    body = {
+        "choices": [
+            {"message": {"content": "hi"}},
+            {"message": {"tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}},
+        ]
+    }
     repaired = normalize_response("chat/completions", body)
     assert repaired["choices"][0] == {
         "index": 0,
