@@ -44,6 +44,7 @@ from gateway.output_limits import (
 from gateway.router import Deployment, Router, Target
 from gateway.routing_config import PricingConfig
 from gateway.settings import Settings
+from gateway.validate import count_prompts
 
 __all__ = ["Call", "estimate_prompt_tokens", "open_call", "request_id_of", "serves_natively"]
 
@@ -78,7 +79,8 @@ async def open_call(request: Request, *, endpoint: Endpoint, body: Json, model: 
             num_prompt_tokens=num_prompt_tokens,
             fallback=settings.limits.default_max_tokens,
         )
-        num_max_tokens = per_choice * _num_choices(body)
+        num_completions = _num_choices(body) * (count_prompts(body) if endpoint == "completions" else 1)
+        num_max_tokens = per_choice * num_completions
     admission = await access.admit(
         credential,
         model=target.model_id,

@@ -30,6 +30,7 @@ from gateway.errors import InvalidRequestError
 __all__ = [
     "MAX_COMPLETION_LOGPROBS",
     "MAX_LOGIT_BIAS_ENTRIES",
+    "MAX_MODEL_CHARS",
     "MAX_N",
     "MAX_STOP_CHARS",
     "MAX_STOP_SEQUENCES",
@@ -42,6 +43,7 @@ __all__ = [
     "check_completions",
     "check_messages",
     "check_responses",
+    "count_prompts",
     "require_model",
 ]
 
@@ -87,6 +89,25 @@ def check_chat(body: Mapping[str, Any]) -> None:
 
 def check_completions(body: Mapping[str, Any]) -> None:
     _check(body, _COMPLETIONS)
+    num_prompts = count_prompts(body)
+    n = body.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+    if num_prompts * n > MAX_N:
+        raise InvalidRequestError(
+            f"`prompt` holds {num_prompts} prompts and `n` is {n}: {num_prompts * n} completions in one request; at "
+            f"most {MAX_N} (prompts × n). Split the prompts over several requests.",
+            code="invalid_request",
+            param="prompt",
+        )
+
+
+def count_prompts(body: Mapping[str, Any]) -> int:
+    """Prompts in a /v1/completions body: a list of strings or of token-id lists is one per item; a string or a
+    list of token ids is one. Each is answered with `n` choices, and each may use `max_tokens`."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt)
+    return 1
 
 
 def check_messages(body: Mapping[str, Any]) -> None:

@@ -280,3 +280,24 @@ async def test_an_answer_without_token_counts_is_charged_an_estimate_not_nothing
     # Streams send "t0 t1 t2 " (9 characters: 3 tokens); answers "Hello from the fake upstream" (28: 7 tokens).
     expected = 50 if usage else 1 + (3 if stream else 7)
     assert record["tokens_spent"] == expected
+
+
+async def test_a_list_of_prompts_reserves_its_whole_output_and_is_capped(
+    gateways: tuple[ThreadedServer, ThreadedServer],
+) -> None:
+    """Each of a /v1/completions request's prompts gets `n` choices of up to `max_tokens`: 10 prompts × n 2 ×
+    100 tokens reserve 2,000 against a TPM of 1,000 (one prompt with the same n and max_tokens fits), and more than
+    128 completions in one request (prompts × n) are refused before anything is reserved."""
+    a, _ = gateways
+    async with httpx.AsyncClient(timeout=30) as client:
+        _, user = await create_key(client, a.url, tpm=1000)
+        one = {"model": "gpt-test", "prompt": "Hi", "n": 2, "max_tokens": 100}
+        many = {**one, "prompt": ["Hi"] * 10}
+        tokens = {**one, "prompt": [[1, 2, 3]] * 10}
+        assert (await client.post(f"{a.url}/v1/completions", json=one, headers=user)).status_code == 200
+        for body in (many, tokens):
+            refused = await client.post(f"{a.url}/v1/completions", json=body, headers=user)
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "tokens_limit_exceeded"
+        too_many = await client.post(f"{a.url}/v1/completions", json={**many, "prompt": ["Hi"] * 65}, headers=user)
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt", too_many.text
+    assert "130 completions" in too_many.json()["error"]["message"]
