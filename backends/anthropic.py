@@ -12,7 +12,7 @@ the meaning of stream events (named events ending with `message_stop`, no `[DONE
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from typing import Any, Self
 
@@ -88,14 +88,19 @@ class AnthropicBackend:
     def supports(self, endpoint: Endpoint) -> bool:
         return endpoint in _NATIVE or endpoint == "chat/completions"
 
-    async def send(self, endpoint: Endpoint, body: Json, *, request_id: str) -> Json:
+    async def send(
+        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+    ) -> Json:
+        """A Messages body (and the client's `anthropic-beta`) goes as it came; a chat body is translated."""
         if endpoint == "chat/completions":
             message = await self._upstream.send("messages", chat_to_messages(body), request_id=request_id)
             return message_to_chat(message, model=str(body.get("model", "")))
         self._check_endpoint(endpoint)
-        return await self._upstream.send(endpoint, body, request_id=request_id)
+        return await self._upstream.send(endpoint, body, request_id=request_id, headers=headers)
 
-    async def stream(self, endpoint: Endpoint, body: Json, *, request_id: str) -> AsyncIterator[Json]:
+    async def stream(
+        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+    ) -> AsyncIterator[Json]:
         """Anthropic events (without pings) for `messages`; chat chunks, ending with a usage chunk, for
         `chat/completions`. A request it cannot send fails on the first `anext()`, as every backend's stream."""
         if endpoint == "chat/completions":
@@ -104,7 +109,7 @@ class AnthropicBackend:
             chunks = events_to_chat_chunks(events, model=str(body.get("model", "")))
         else:
             self._check_endpoint(endpoint)
-            chunks = self._upstream.stream(endpoint, {**body, "stream": True}, request_id=request_id)
+            chunks = self._upstream.stream(endpoint, {**body, "stream": True}, request_id=request_id, headers=headers)
         async with aclosing(chunks):
             async for chunk in chunks:
                 yield chunk

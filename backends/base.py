@@ -12,11 +12,12 @@ a check costs microseconds: on a per-request path, remember its answer per backe
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
 __all__ = [
+    "FORWARDED_HEADERS",
     "MAX_TOKENS_CLAMPED_KEY",
     "Backend",
     "CountsPromptTokens",
@@ -30,6 +31,10 @@ __all__ = [
 ]
 
 Json = dict[str, Any]
+
+# Client request headers the gateway hands to backends. Anthropic's beta flags change what a Messages body may hold
+# (Claude Code sends them on every request); upstream credentials and everything else are the deployment's own.
+FORWARDED_HEADERS = ("anthropic-beta",)
 
 # The API surface a call targets, as a path under the upstream's /v1.
 Endpoint = Literal["chat/completions", "completions", "embeddings", "responses", "messages", "messages/count_tokens"]
@@ -53,11 +58,16 @@ class Backend(Protocol):
         """Whether this backend serves `endpoint` natively (the gateway translates otherwise)."""
         ...
 
-    async def send(self, endpoint: Endpoint, body: Json, *, request_id: str) -> Json:
-        """One non-streaming call; returns the parsed JSON response of that endpoint's family."""
+    async def send(
+        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+    ) -> Json:
+        """One non-streaming call; returns the parsed JSON response of that endpoint's family. `headers`: the
+        client's headers a backend may pass on (`FORWARDED_HEADERS`; only an Anthropic upstream uses them)."""
         ...
 
-    def stream(self, endpoint: Endpoint, body: Json, *, request_id: str) -> AsyncIterator[Json]:
+    def stream(
+        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+    ) -> AsyncIterator[Json]:
         """A streaming call yielding each parsed event/chunk (OpenAI chunks, or Anthropic events with their
         `type`); the iterator ends after the final chunk (the `[DONE]` marker is not yielded). Closing the
         iterator early (client gone) must cancel the upstream request promptly."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,10 +99,14 @@ class EngineClient:
     def supports(self, endpoint: Endpoint) -> bool:
         return endpoint in NATIVE_ENDPOINTS
 
-    async def send(self, endpoint: Endpoint, body: Json, *, request_id: str) -> Json:
+    async def send(
+        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+    ) -> Json:
         return await self._call(f"/engine/send/{endpoint}", body, request_id)
 
-    async def stream(self, endpoint: Endpoint, body: Json, *, request_id: str) -> AsyncIterator[Json]:
+    async def stream(
+        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+    ) -> AsyncIterator[Json]:
         headers = {"x-request-id": request_id, "content-type": "application/json"}
         try:
             response = await self._client().post(f"/engine/stream/{endpoint}", data=encode_body(body), headers=headers)

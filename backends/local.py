@@ -222,7 +222,9 @@ class LocalBackend:
     def supports(self, endpoint: Endpoint) -> bool:
         return endpoint in NATIVE_ENDPOINTS
 
-    async def send(self, endpoint: Endpoint, body: Json, *, request_id: str) -> Json:
+    async def send(
+        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+    ) -> Json:
         engine = await self._ready()
         request = await self._parse(engine, endpoint, body)
         streams = [engine.generate(ids, request.params, f"{request_id}-{next(self._ids)}") for ids in request.prompts]
@@ -243,7 +245,9 @@ class LocalBackend:
                 choices.append(request.choice(prompt_index, out))
         return request.response(choices, usage.as_dict(), request_id)
 
-    async def stream(self, endpoint: Endpoint, body: Json, *, request_id: str) -> AsyncIterator[Json]:
+    async def stream(
+        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+    ) -> AsyncIterator[Json]:
         engine = await self._ready()
         request = await self._parse(engine, endpoint, body)
         streams = [engine.generate(ids, request.params, f"{request_id}-{next(self._ids)}") for ids in request.prompts]

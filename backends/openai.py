@@ -8,7 +8,7 @@ The OpenAI dialect: a bearer key, and a stream of chunks ending with `data: [DON
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Self
 
 import orjson
@@ -66,10 +66,14 @@ class OpenAIBackend:
     def supports(self, endpoint: Endpoint) -> bool:
         return endpoint in self._native
 
-    async def send(self, endpoint: Endpoint, body: Json, *, request_id: str) -> Json:
+    async def send(
+        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+    ) -> Json:
         return await self._upstream.send(endpoint, body, request_id=request_id)
 
-    def stream(self, endpoint: Endpoint, body: Json, *, request_id: str) -> AsyncIterator[Json]:
+    def stream(
+        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+    ) -> AsyncIterator[Json]:
         return self._upstream.stream(endpoint, body, request_id=request_id)
 
     async def check_health(self) -> bool:

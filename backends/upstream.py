@@ -19,7 +19,7 @@ past them); a stream that sends no event within `first_event_timeout_s`, or none
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import aclosing
 from typing import Protocol
 
@@ -100,13 +100,14 @@ class UpstreamClient:
             )
         return self._session
 
-    async def send(self, path: str, body: Json, *, request_id: str) -> Json:
-        """One non-streaming call: the parsed JSON object of a successful answer."""
+    async def send(self, path: str, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None) -> Json:
+        """One non-streaming call: the parsed JSON object of a successful answer (`headers`: the client's, to pass
+        on; they never replace the deployment's credentials)."""
         try:
             async with self._client().post(
                 path,
                 data=encode_body(body),
-                headers={"x-request-id": request_id},
+                headers={**(headers or {}), "x-request-id": request_id},
                 timeout=self._send_timeout,
                 allow_redirects=False,
             ) as response:
@@ -119,10 +120,12 @@ class UpstreamClient:
             raise self.errors.status(response.status, content, response.headers)
         return self._parse_json(content, response.headers.get("content-type", ""))
 
-    async def stream(self, path: str, body: Json, *, request_id: str) -> AsyncGenerator[Json, None]:
+    async def stream(
+        self, path: str, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+    ) -> AsyncGenerator[Json, None]:
         """A streaming call: each event's parsed data, keep-alives dropped. Closing it early drops the connection,
         so the upstream stops generating at once."""
-        headers = {"x-request-id": request_id, "accept": "text/event-stream"}
+        headers = {**(headers or {}), "x-request-id": request_id, "accept": "text/event-stream"}
         started_at = asyncio.get_running_loop().time()
         config = self.config
         is_first_event_sooner = config.first_event_timeout_s < config.timeout_s

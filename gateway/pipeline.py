@@ -28,7 +28,7 @@ import orjson
 from starlette.requests import Request
 
 from auth.base import AccessControl, Admission, SettleUsage, UpstreamLease, UpstreamLimiter, extract_credential
-from backends.base import Endpoint, Json
+from backends.base import FORWARDED_HEADERS, Endpoint, Json
 from backends.wire import usage_count
 from gateway.disconnect import unless_disconnected
 from gateway.errors import GatewayError, InvalidRequestError, UpstreamTimeoutError, upstream_malformed
@@ -102,6 +102,7 @@ async def open_call(request: Request, *, endpoint: Endpoint, body: Json, model: 
         request_id=request_id_of(request),
         num_prompt_tokens=num_prompt_tokens,
         started_at=scope_state.get("started_at") or time.perf_counter(),
+        forwarded_headers=forwarded_headers(request),
     )
     if stream:
         try:
@@ -130,6 +131,7 @@ class Call:
         request_id: str,
         num_prompt_tokens: int,
         started_at: float,
+        forwarded_headers: dict[str, str] | None = None,
     ) -> None:
         self.access = access
         self.limiter = limiter  # the deployments' max_in_flight slots
@@ -141,6 +143,7 @@ class Call:
         self.endpoint = endpoint
         self.body = body
         self.request_id = request_id
+        self.forwarded_headers = forwarded_headers or None  # the client's headers backends may pass on
         self.headers: dict[str, str] = dict(admission.headers)
         self.started_at = started_at
         self._num_prompt_tokens = num_prompt_tokens
@@ -269,7 +272,10 @@ class Call:
         outcome = "error"
         try:
             # A long generation: stop it (the lease is released below) if the client goes away meanwhile.
-            data = await unless_disconnected(deployment.backend.send(self.endpoint, body, request_id=self.request_id))
+            send = deployment.backend.send(
+                self.endpoint, body, request_id=self.request_id, headers=self.forwarded_headers
+            )
+            data = await unless_disconnected(send)
             self._note_clamp(take_backend_clamp(data) if isinstance(data, dict) else None, clamped)
             data = normalize_response(self.endpoint, data)
             outcome = "ok"
@@ -290,7 +296,9 @@ class Call:
         slot_wait_s = time.perf_counter() - slot_wait_started
         deployment.num_in_flight += 1
         started = time.perf_counter()
-        upstream = deployment.backend.stream(self.endpoint, body, request_id=self.request_id)
+        upstream = deployment.backend.stream(
+            self.endpoint, body, request_id=self.request_id, headers=self.forwarded_headers
+        )
         try:
             try:
                 first = await anext(upstream)
@@ -430,6 +438,19 @@ def _add_slot_wait(error: UpstreamTimeoutError, slot_wait_s: float) -> None:
         error.message += (
             f" Before that, the request waited {slot_wait_s:.1f} s for a free slot of this deployment (max_in_flight)."
         )
+
+
+_MAX_FORWARDED_HEADER_CHARS = 1024
+
+
+def forwarded_headers(request: Request) -> dict[str, str]:
+    """The client's `FORWARDED_HEADERS` that are short printable ASCII (a beta-flag list), for the backend."""
+    forwarded = {}
+    for name in FORWARDED_HEADERS:
+        value = request.headers.get(name)
+        if value and len(value) <= _MAX_FORWARDED_HEADER_CHARS and value.isascii() and value.isprintable():
+            forwarded[name] = value
+    return forwarded
 
 
 def request_id_of(request: Request) -> str:

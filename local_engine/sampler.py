@@ -317,8 +317,9 @@ class Sampler:
         device = logits.device
         params = [s.params for s in seqs]
         # Greedy rows are replaced by the argmax afterwards; temperature 1 keeps them finite meanwhile.
-        temperatures = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
-        logits = logits / temperatures[:, None]
+        temperatures = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
+        # A penalty or temperature can push a logit past float32's range; +inf would make the softmax NaN.
+        logits = (logits / temperatures[:, None]).clamp(max=torch.finfo(logits.dtype).max)
         if any(0 < p.top_k < logits.shape[1] or p.top_p < 1.0 for p in params):
             logits = self._top_k_top_p(logits, seqs)
         probs = torch.softmax(logits, dim=-1)
@@ -372,6 +373,7 @@ class Sampler:
         # Drop a token when the tokens ranked above it already reach top_p (the best token always stays); top_p 1
         # drops nothing, even where the sum's rounding reaches 1 before the tail of a peaked row.
         reached = ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p < 1.0)[:, None]
+        reached[:, 0] = False  # a top_p of 0 (or one below float32's smallest) still keeps the best token
         return ~(outside | reached)
 
     def _logprobs(

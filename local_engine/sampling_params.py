@@ -20,6 +20,7 @@ from typing import Any
 from local_engine.errors import InvalidParamError
 
 __all__ = [
+    "GREEDY_TEMPERATURE",
     "MAX_LOGIT_BIAS_ENTRIES",
     "MAX_N",
     "MAX_SEED",
@@ -41,6 +42,9 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+
+GREEDY_TEMPERATURE = 1e-5  # a temperature below this samples greedily
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one so small (below `GREEDY_TEMPERATURE`, as vLLM's sampling epsilon) that dividing
+        by it overflows float32 logits: both mean the most likely token."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

@@ -61,6 +61,28 @@ def test_greedy_equivalents(llama: Any) -> None:
     assert tokens(engine, SamplingParams(temperature=1.0, min_p=1.0, max_tokens=10, ignore_eos=True)) == greedy
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-38),  # overflows float32 logits when divided by
+        SamplingParams(temperature=1e-6),
+        SamplingParams(temperature=1.0, top_p=1e-46),  # 0 in float32
+        SamplingParams(temperature=0.5, repetition_penalty=1e-40),  # seen positive logits / 1e-40 = inf
+        SamplingParams(temperature=1e-6, repetition_penalty=1e-30, top_p=1e-40, min_p=0.9),
+    ],
+    ids=["temperature-1e-38", "temperature-1e-6", "top-p-1e-46", "penalty-1e-40", "all-tiny"],
+)
+def test_tiny_values_still_draw_the_best_token_never_garbage(params: SamplingParams) -> None:
+    """Values no API refuses but float32 cannot divide by: a NaN distribution draws token 0 every time. The best
+    token (here 7, with 3 — a token the sequence already holds, so a penalty below 1 favours it — as the runner-up)
+    must win instead: greedy-like, or the penalty's own favourite."""
+    logits = torch.full((1, 50), -2.0)
+    logits[0, 7], logits[0, 3] = 6.0, 5.0
+    drawn = Sampler()(logits.repeat(50, 1), make_seqs([params] * 50, [[3]] * 50)).token_ids
+    expected = {3, 7} if params.repetition_penalty < 1 else {7}
+    assert set(drawn) <= expected and 0 not in drawn, drawn
+
+
 def make_seqs(params: list[SamplingParams], outputs: list[list[int]]) -> list[Sequence]:
     seqs = []
     for p, out in zip(params, outputs, strict=True):

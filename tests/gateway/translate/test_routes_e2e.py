@@ -205,6 +205,8 @@ async def test_native_passthrough_replaces_the_key(stack: Stack) -> None:
     recorded = stack.claude.requests[-1]
     assert recorded.headers["x-api-key"] == UPSTREAM_KEY and MASTER_KEY not in str(recorded.headers)
     assert "stream_options" not in recorded.body and recorded.body["model"] == "claude-tool"
+    # The client's beta flags change what a Messages body may hold: passed on, streamed or not.
+    assert [r.headers.get("anthropic-beta") for r in stack.claude.requests[-2:]] == ["made-up-beta-2099"] * 2
 
 
 async def test_native_error_event_closes_open_blocks(stack: Stack) -> None:
