@@ -25,6 +25,7 @@ from gateway.translate.common import (
     TextHoldingBuilder,
     aclose_source,
     content_text,
+    dumps,
     dumps_request,
     logger,
     new_id,
@@ -434,9 +435,11 @@ class _EventBuilder(TextHoldingBuilder):
         self.stop_sequences = stop_sequences
         self.message_id = message_id or new_id("msg_")
         self.num_closed_blocks = 0  # also the index of the open block
-        self.open_kind: str | None = None  # "text" | "tool_use"
-        self.open_tool_key: Any = None  # the chat tool-call `index` of the open tool_use block
-        self.closed_tool_keys: set[Any] = set()
+        self.open_kind: str | None = None  # "text" | "tool_use" (tool calls being collected)
+        # Tool calls by their chat `index`, in order of arrival, each {"id", "name", "arguments"}: sent as whole
+        # blocks once the answer's tool calls are complete (see `_tool_call`).
+        self.tool_calls: dict[Any, Json] = {}
+        self.last_tool_key: Any = None
         self.has_tool_use = False
 
     def start(self) -> list[Event]:
@@ -483,25 +486,29 @@ class _EventBuilder(TextHoldingBuilder):
         return events
 
     def _tool_call(self, call: Json) -> list[Event]:
+        """Collect a tool call's fragments; its block goes out whole when the tool calls end (`_close`).
+
+        A client builds `input` by parsing the concatenated `input_json_delta`s, and the Anthropic SDK's stream
+        helper fails on text that is not a JSON object, which small models and some servers produce. Collected,
+        the arguments go out as `parse_arguments` repairs them, as in a non-streaming answer, and fragments of
+        several calls may interleave."""
         key = call.get("index")
         if key is None:  # some servers omit `index`; a new id means a new call
-            key = call.get("id") or self.open_tool_key or 0
+            key = call.get("id") or self.last_tool_key or 0
         function = call.get("function") or {}
         events: list[Event] = []
-        if self.open_kind != "tool_use" or key != self.open_tool_key:
-            if key in self.closed_tool_keys:
-                # Anthropic blocks cannot reopen; interleaved argument fragments are not produced by real servers.
-                logger.warning("dropping a late argument fragment for an already closed tool call")
-                return []
-            events.extend(self._close_all())
-            block = {"type": "tool_use", "id": call.get("id") or new_id("toolu_"), "name": function.get("name") or ""}
-            events.append(self._open({**block, "input": {}}, "tool_use"))
-            self.open_tool_key = key
+        if key not in self.tool_calls:
+            if self.open_kind == "text":
+                events.extend(self._close())
+            self.open_kind = "tool_use"  # text arriving from now on waits for the tool calls' blocks
+            self.tool_calls[key] = {"id": call.get("id") or new_id("toolu_"), "name": "", "arguments": ""}
             self.has_tool_use = True
+        collected = self.tool_calls[key]
+        if function.get("name") and not collected["name"]:
+            collected["name"] = function["name"]
         if function.get("arguments"):
-            delta = {"type": "input_json_delta", "partial_json": function["arguments"]}
-            index = self.num_closed_blocks
-            events.append(("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
+            collected["arguments"] += function["arguments"]
+        self.last_tool_key = key
         return events
 
     def _open(self, content_block: Json, kind: str) -> Event:
@@ -513,12 +520,30 @@ class _EventBuilder(TextHoldingBuilder):
         if self.open_kind is None:
             return []
         if self.open_kind == "tool_use":
-            self.closed_tool_keys.add(self.open_tool_key)
-            self.open_tool_key = None
+            return self._tool_blocks()
         index = self.num_closed_blocks
         self.open_kind = None
         self.num_closed_blocks += 1
         return [("content_block_stop", {"type": "content_block_stop", "index": index})]
+
+    def _tool_blocks(self) -> list[Event]:
+        """The collected tool calls, each a whole block: start, its arguments as one JSON object, stop."""
+        events: list[Event] = []
+        for collected in self.tool_calls.values():
+            index = self.num_closed_blocks
+            block = {"type": "tool_use", "id": collected["id"], "name": collected["name"], "input": {}}
+            events.append(
+                ("content_block_start", {"type": "content_block_start", "index": index, "content_block": block})
+            )
+            arguments = parse_arguments(collected["arguments"])
+            if arguments:
+                delta = {"type": "input_json_delta", "partial_json": dumps(arguments)}
+                events.append(("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
+            events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+            self.num_closed_blocks += 1
+        self.tool_calls.clear()
+        self.open_kind = None
+        return events
 
 
 def error_event(error: Exception) -> Event:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import orjson
 import pytest
 from anthropic.types import MessageParam
 from fakes.streams import SourceClosed, chunk, collect, source, tool_delta, usage_chunk
@@ -319,7 +320,7 @@ async def test_round_trip_chat_to_anthropic_events_and_back() -> None:
         if c["choices"]
         for call in c["choices"][0]["delta"].get("tool_calls", [])
     )
-    assert (text, arguments) == ("Let me.", '{"q": "x"}')
+    assert (text, orjson.loads(arguments)) == ("Let me.", {"q": "x"})
     assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls"
     assert chunks[-1]["usage"] == {
         "prompt_tokens": 11,

@@ -18,6 +18,7 @@ from translate_helpers import (
     usage_chunk,
 )
 
+from backends.wire import parse_arguments
 from gateway.errors import BackendError, UpstreamRateLimitedError
 from gateway.translate import chat_chunks_to_events, chat_to_message
 
@@ -97,10 +98,9 @@ async def test_streamed_tool_argument_deltas() -> None:
         {"type": "tool_use", "id": "call_b", "name": "time", "input": {}},
     ]
     json_deltas = [(d["index"], d["delta"]) for n, d in events if n == "content_block_delta" and d["index"] > 0]
-    assert json_deltas == [
-        (1, {"type": "input_json_delta", "partial_json": '{"ci'}),
-        (1, {"type": "input_json_delta", "partial_json": 'ty": "Paris"}'}),
-        (2, {"type": "input_json_delta", "partial_json": '{"tz": "CET"}'}),
+    assert json_deltas == [  # each call's arguments collected, then sent as one JSON object
+        (1, {"type": "input_json_delta", "partial_json": '{"city":"Paris"}'}),
+        (2, {"type": "input_json_delta", "partial_json": '{"tz":"CET"}'}),
     ]
     final = _final_message(events)
     assert final["stop_reason"] == "tool_use"
@@ -222,19 +222,22 @@ _piece = st.one_of(
 async def test_any_chunk_sequence_gives_well_formed_events(
     pieces: list[tuple[str, Any]], finish_reason: str | None
 ) -> None:
-    """Tool-call indexes arrive in order (as every server sends them); text and tools interleave freely."""
+    """Text and tool calls interleave freely, and so do the argument fragments of several calls; each tool call's
+    block carries the object its fragments make (repaired as a non-streaming answer is)."""
     chunks: list[dict[str, Any]] = []
-    next_tool = 0
+    fragments: list[str] = []  # per tool call, its arguments as sent
     for kind, value in pieces:
         if kind == "text":
             chunks.append(chunk({"content": value}))
         else:
             index, arguments = value
-            if index >= next_tool:
-                chunks.append(chunk(tool_delta(next_tool, call_id=f"call_{next_tool}", name="f", arguments=arguments)))
-                next_tool += 1
+            if index >= len(fragments):
+                index = len(fragments)
+                chunks.append(chunk(tool_delta(index, call_id=f"call_{index}", name="f", arguments=arguments)))
+                fragments.append(arguments)
             else:
-                chunks.append(chunk(tool_delta(next_tool - 1, arguments=arguments)))
+                chunks.append(chunk(tool_delta(index, arguments=arguments)))
+                fragments[index] += arguments
     chunks.append(chunk({}, finish_reason))
     events = await _events(chunks)
     assert events[0][0] == "message_start" and [name for name, _ in events[-2:]] == ["message_delta", "message_stop"]
@@ -242,10 +245,30 @@ async def test_any_chunk_sequence_gives_well_formed_events(
         d["delta"]["text"] for n, d in events if n == "content_block_delta" and d["delta"]["type"] == "text_delta"
     )
     assert text == "".join(value for kind, value in pieces if kind == "text")
-    arguments = "".join(
-        d["delta"]["partial_json"]
+    tool_blocks = [
+        d["index"] for n, d in events if n == "content_block_start" and d["content_block"]["type"] == "tool_use"
+    ]
+    inputs = {
+        d["index"]: orjson.loads(d["delta"]["partial_json"])
         for n, d in events
         if n == "content_block_delta" and d["delta"]["type"] == "input_json_delta"
-    )
-    assert arguments == "".join(value[1] for kind, value in pieces if kind == "tool")
+    }
+    assert [inputs.get(index, {}) for index in tool_blocks] == [parse_arguments(f) for f in fragments]
     assert orjson.dumps(events)  # every payload is JSON-serialisable as sent on the wire
+
+
+async def test_broken_tool_arguments_stream_as_the_non_streaming_answer_repairs_them() -> None:
+    """A small model's broken JSON (or an array) reaches an Anthropic client as `{"_raw_arguments": ...}`, as
+    `messages.create` returns it, instead of fragments the SDK's stream helper fails to parse."""
+    chunks = [
+        chunk(tool_delta(0, call_id="call_a", name="f", arguments='{"a": 1,')),
+        chunk(tool_delta(1, call_id="call_b", name="g", arguments="[1, 2]")),
+        chunk(tool_delta(0, arguments=", oops")),  # interleaved: a late fragment of the first call
+        chunk({}, "tool_calls"),
+    ]
+    final = _final_message(await _events(chunks))  # accumulated by the anthropic SDK's own code
+    assert [block["input"] for block in final["content"]] == [
+        {"_raw_arguments": '{"a": 1,, oops'},
+        {"_raw_arguments": "[1, 2]"},
+    ]
+    assert final["stop_reason"] == "tool_use"
