@@ -49,6 +49,7 @@ import os
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -164,6 +165,8 @@ class DeploymentConfig(BaseModel):
             raise ValueError(f"a `type: {self.type}` deployment needs `base_url` (e.g. https://api.example.com/v1)")
         if self.type == "local" and self.base_url:
             raise ValueError("a `type: local` deployment takes `model_path`, not `base_url`")
+        if self.base_url:
+            _check_base_url(self.base_url)
         if self.type == "local" and self.context_length is not None:
             raise ValueError(
                 "a `type: local` deployment knows its context length; set UNIGATE_ENGINE__MAX_MODEL_LEN instead"
@@ -330,3 +333,15 @@ def _format_location(location: tuple[int | str, ...]) -> str:
         else:
             text += f".{part}" if text else part
     return text
+
+
+def _check_base_url(base_url: str) -> None:
+    """An http(s) URL with a host and nothing the gateway would send elsewhere or drop: no credentials (they would
+    reach the upstream next to the deployment's key, and show in logs), no query or fragment."""
+    parts = urlsplit(base_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("`base_url` must be an http(s) URL with a host, e.g. https://api.example.com/v1")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("`base_url` must not hold credentials (user:password@); put the upstream key in `api_key`")
+    if parts.query or parts.fragment:
+        raise ValueError("`base_url` must not have a query or fragment; give the API's base path only")

@@ -80,6 +80,15 @@ def test_issue_example_parses_with_env_secrets(tmp_path: Path, monkeypatch: pyte
             ["'zz'", "add it under `models`"],
         ),
         ("models: [\n", ["not valid YAML"]),
+        (
+            "models:\n  - id: a\n    deployments: [{type: openai, base_url: 'https://user:hunter2@api.example.com/v1'}]\n",
+            ["models[0].deployments[0]", "must not hold credentials", "api_key"],
+        ),
+        ("models:\n  - id: a\n    deployments: [{type: anthropic, base_url: api.example.com}]\n", ["http(s) URL"]),
+        (
+            "models:\n  - id: a\n    deployments: [{type: openai, base_url: 'http://h/v1?key=1'}]\n",
+            ["query or fragment"],
+        ),
     ],
 )
 def test_invalid_config_names_file_field_and_fix(
@@ -94,6 +103,7 @@ def test_invalid_config_names_file_field_and_fix(
     assert str(path) in message
     for fragment in expected:
         assert fragment in message
+    assert "hunter2" not in message  # a credential in a bad base_url is never repeated
 
 
 def test_bad_config_fails_create_app(tmp_path: Path) -> None:
