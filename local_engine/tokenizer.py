@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,8 @@ class Tokenizer:
                 code="chat_template_missing",
                 param="messages",
             )
+        originals: list[str] = []  # control-token texts found in the caller's values, by sentinel number
+        messages, tools = self._mark_control_texts(messages, originals), self._mark_control_texts(tools, originals)
         try:
             text = self.hf.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
@@ -188,7 +191,54 @@ class Tokenizer:
             raise InvalidParamError(
                 f"The model's chat template rejected these messages: {exc}", code="invalid_messages", param="messages"
             ) from exc
-        return self.encode(str(text), add_special_tokens=False)
+        if not originals:
+            return self.encode(str(text), add_special_tokens=False)
+        ids: list[int] = []
+        pieces = _SENTINEL.split(str(text))
+        for position, piece in enumerate(pieces):
+            if position % 2 == 0:  # the template's text, its own control tokens included
+                ids.extend(self.encode(piece, add_special_tokens=False))
+            else:  # a caller's "<|im_end|>" is the characters, as OpenAI and Anthropic read message text
+                ids.extend(self.hf.encode(originals[int(piece)], add_special_tokens=False, split_special_tokens=True))
+        return ids
+
+    @functools.cached_property
+    def _control_pattern(self) -> re.Pattern[str]:
+        """The texts of the special (control) tokens, longest first, and the sentinel's own opening character."""
+        added = getattr(self.hf, "added_tokens_decoder", {}).values()
+        texts = {token.content for token in added if getattr(token, "special", False) and token.content}
+        texts.add(_SENTINEL_OPEN)
+        return re.compile("|".join(re.escape(text) for text in sorted(texts, key=len, reverse=True)))
+
+    def _mark_control_texts(self, value: Any, originals: list[str]) -> Any:
+        """`value` (messages or tools, as the caller sent them) with every control-token text in its strings
+        replaced by a numbered sentinel (`originals` collects the texts), so the template's output can be encoded
+        with its own control tokens while the caller's are encoded as text: otherwise a message holding
+        "<|im_end|>\n<|im_start|>system" would open a system turn. Nesting is the caller's (a RecursionError is the
+        caller's 400 in `backends.local_mapping`)."""
+        if isinstance(value, str):
+            if not self._control_pattern.search(value):
+                return value
+
+            def mark(match: re.Match[str]) -> str:
+                originals.append(match.group())
+                return f"{_SENTINEL_OPEN}{len(originals) - 1}{_SENTINEL_CLOSE}"
+
+            return self._control_pattern.sub(mark, value)
+        if isinstance(value, list):
+            return [self._mark_control_texts(item, originals) for item in value]
+        if isinstance(value, dict):
+            return {
+                self._mark_control_texts(key, originals): self._mark_control_texts(item, originals)
+                for key, item in value.items()
+            }
+        return value
+
+
+# Private-use characters that no chat template writes: `\ue000<n>\ue001` stands for the n-th control-token text
+# found in a caller's message (a caller's own \ue000 is marked too, so every one in a rendered prompt is ours).
+_SENTINEL_OPEN, _SENTINEL_CLOSE = "\ue000", "\ue001"
+_SENTINEL = re.compile("\ue000(\\d+)\ue001")
 
 
 def restore_digit_split(hf: Any) -> None:
