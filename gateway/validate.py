@@ -85,6 +85,15 @@ def require_model(body: Mapping[str, Any]) -> str:
 
 def check_chat(body: Mapping[str, Any]) -> None:
     _check(body, _CHAT)
+    top_logprobs = body.get("top_logprobs") or 0  # checked above: an integer, when set
+    if top_logprobs > 0 and body.get("logprobs") is not True:
+        raise InvalidRequestError(
+            "`top_logprobs` needs `logprobs: true`.", code="invalid_request", param="top_logprobs"
+        )
+    if body.get("stream_options") is not None and body.get("stream") is not True:
+        raise InvalidRequestError(
+            "`stream_options` is only allowed with `stream: true`.", code="invalid_request", param="stream_options"
+        )
 
 
 def check_completions(body: Mapping[str, Any]) -> None:
@@ -243,8 +252,18 @@ def _openai_tool_choice(name: str, value: Any) -> None:
 
 
 def _anthropic_tool_choice(name: str, value: Any) -> None:
-    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise _invalid(name, 'an object with a string `type` ("auto", "any", "tool" or "none")', value)
+    if not isinstance(value, dict) or value.get("type") not in ("auto", "any", "tool", "none"):
+        raise _invalid(name, 'an object whose `type` is "auto", "any", "tool" or "none"', value)
+
+
+def _response_format(name: str, value: Any) -> None:
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise _invalid(name, 'an object whose `type` is "text", "json_object" or "json_schema"', value)
+
+
+def _object(name: str, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise _invalid(name, "an object", value)
 
 
 def _metadata(name: str, value: Any) -> None:
@@ -317,6 +336,8 @@ _CHAT: dict[str, _Check] = {
     "tool_choice": _openai_tool_choice,
     "parallel_tool_calls": _boolean,
     "metadata": _metadata,
+    "response_format": _response_format,
+    "stream_options": _object,
 }
 _COMPLETIONS: dict[str, _Check] = {
     **_OPENAI_COMMON,

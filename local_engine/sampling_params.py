@@ -201,7 +201,7 @@ def from_openai(
         logprobs = _int_field(body, "top_logprobs", 0) if _bool_field(body, "logprobs", False) else None
         renamed = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs"}
     else:
-        max_tokens = _int_field(body, "max_tokens") if "max_tokens" in body else 16  # the legacy default
+        max_tokens = _int_field(body, "max_tokens") if body.get("max_tokens") is not None else 16  # legacy default
         logprobs = _int_field(body, "logprobs")
     try:
         return SamplingParams(

@@ -86,12 +86,41 @@ def _check_messages(body: Json) -> None:
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise _invalid(f"`messages[{index}]` must be an object with a string `role`.", f"messages[{index}].role")
+        if message["role"] not in _ROLES:
+            roles = ", ".join(f"'{role}'" for role in _ROLES)
+            raise _invalid(f"`messages[{index}].role` must be one of {roles}.", f"messages[{index}].role")
+        _check_tool_calls(message.get("tool_calls"), f"messages[{index}].tool_calls")
         content = message.get("content")
         if content is None or isinstance(content, str):
             continue
         if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
             param = f"messages[{index}].content"
             raise _invalid(f"`{param}` must be a string or a list of content part objects.", param)
+        for position, part in enumerate(content):
+            if part.get("type") == "text" and not isinstance(part.get("text"), str):
+                param = f"messages[{index}].content[{position}].text"
+                raise _invalid(f"`{param}` must be a string.", param)
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def _check_tool_calls(tool_calls: Any, param: str) -> None:
+    """An assistant message's `tool_calls`: objects whose `function` has a string `name` and `arguments`."""
+    if tool_calls is None:
+        return
+    if not isinstance(tool_calls, list):
+        raise _invalid(f"`{param}` must be a list of tool call objects.", param)
+    for position, call in enumerate(tool_calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _invalid(
+                f"`{param}[{position}]` must be an object with a `function` holding a string `name`.",
+                f"{param}[{position}]",
+            )
+        if not isinstance(function.get("arguments", ""), str):
+            where = f"{param}[{position}].function.arguments"
+            raise _invalid(f"`{where}` must be a string (the arguments' JSON text).", where)
 
 
 def _check_present(body: Json, name: str, example: str) -> None:

@@ -55,7 +55,7 @@ async def create_response(request: Request) -> Response:
             return JSONBytesResponse(orjson.dumps(data), headers=call.headers)
         events = _named(call.chunks())
     else:
-        chat = responses_to_chat(body)
+        chat = responses_to_chat(_without_stored_state(body))  # a translation keeps no state either
         with forwarding(request):
             call = await open_call(request, endpoint="chat/completions", body=chat, model=model, stream=stream)
             data = None if stream else await call.json()

@@ -88,6 +88,18 @@ async def test_invalid_json_gives_position(fake_upstream: FakeUpstream) -> None:
         ({**CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
         ({**CHAT, "max_tokens": "ten"}, "max_tokens"),
         ({**CHAT, "stream": "yes"}, "stream"),
+        ({**CHAT, "messages": [{"role": "bogus", "content": "hi"}]}, "messages[0].role"),
+        ({**CHAT, "messages": [{"role": "", "content": "hi"}]}, "messages[0].role"),
+        (
+            {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]},
+            "messages[0].content[0].text",
+        ),
+        ({**CHAT, "messages": [{"role": "assistant", "tool_calls": "garbage"}]}, "messages[0].tool_calls"),
+        ({**CHAT, "messages": [{"role": "assistant", "tool_calls": [{"x": 1}]}]}, "messages[0].tool_calls[0]"),
+        (
+            {**CHAT, "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]},
+            "messages[0].tool_calls[0].function.arguments",
+        ),
     ],
 )
 async def test_invalid_fields_name_the_param(fake_upstream: FakeUpstream, body: dict[str, Any], param: str) -> None:
@@ -352,3 +364,23 @@ async def test_an_overlong_model_name_is_refused_on_every_route(fake_upstream: F
         response = await client.post(path, json={**body, "model": "oa/" + "x" * 300_000}, headers=AUTH)
     assert response.status_code == 400 and response.json()["error"]["param"] == "model", response.text
     assert len(fake_upstream.requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"store": True}, "store"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"previous_response_id": "r"}, "previous_response_id"),
+    ],
+)
+async def test_stored_state_is_refused_on_a_translated_responses_model(
+    fake_upstream: FakeUpstream, extra: dict[str, Any], param: str
+) -> None:
+    """A model served through the chat translation keeps no responses: a request that needs them is refused, never
+    answered without its history."""
+    async with asgi_client(build_app(single_model(fake_upstream))) as client:
+        response = await client.post("/v1/responses", json={"model": "gpt-test", "input": "hi", **extra}, headers=AUTH)
+        assert_envelope(response, 400, "unsupported_parameter", param=param)
+        ok = await client.post("/v1/responses", json={"model": "gpt-test", "input": "hi", "store": False}, headers=AUTH)
+    assert ok.status_code == 200 and len(fake_upstream.requests) == 1

@@ -89,11 +89,20 @@ def is_tools(value: Any) -> bool:
 
 
 def is_openai_tool_choice(value: Any) -> bool:
-    return value in ("none", "auto", "required") or is_anthropic_tool_choice(value)
+    return value in ("none", "auto", "required") or (type(value) is dict and type(value.get("type")) is str)
 
 
 def is_anthropic_tool_choice(value: Any) -> bool:
-    return type(value) is dict and type(value.get("type")) is str
+    return type(value) is dict and value.get("type") in ("auto", "any", "tool", "none")
+
+
+def is_response_format(value: Any) -> bool:
+    return type(value) is dict and value.get("type") in ("text", "json_object", "json_schema")
+
+
+def top_logprobs_alone(value: Any) -> bool:
+    """Without `logprobs: true` beside it, only 0 is accepted."""
+    return int_in(0, MAX_TOP_LOGPROBS)(value) and value == 0
 
 
 def is_metadata(value: Any) -> bool:
@@ -141,11 +150,13 @@ RULES: dict[str, tuple[Check, dict[str, Callable[[Any], bool]]]] = {
             **OPENAI,
             "max_completion_tokens": int_in(1, MAX_TOKENS),
             "logprobs": is_bool,
-            "top_logprobs": int_in(0, MAX_TOP_LOGPROBS),
+            "top_logprobs": top_logprobs_alone,
             "tools": is_tools,
             "tool_choice": is_openai_tool_choice,
             "parallel_tool_calls": is_bool,
             "metadata": is_metadata,
+            "response_format": is_response_format,
+            "stream_options": lambda value: False,  # only with `stream: true` beside it
         },
     ),
     "completions": (
@@ -340,12 +351,25 @@ def test_floats_including_non_finite_agree(case: tuple[str, str], value: float) 
         (check_messages, {"temperature": 1.5}, "temperature"),  # Anthropic's range is 0..1
         (check_responses, {"max_output_tokens": 0}, "max_output_tokens"),
         (check_responses, {"top_logprobs": 21}, "top_logprobs"),
+        (check_chat, {"top_logprobs": 5}, "top_logprobs"),  # OpenAI: needs `logprobs: true`
+        (check_chat, {"top_logprobs": 5, "logprobs": False}, "top_logprobs"),
+        (check_chat, {"stream_options": {"include_usage": True}}, "stream_options"),  # only when streaming
+        (check_chat, {"stream_options": {"include_usage": True}, "stream": False}, "stream_options"),
+        (check_chat, {"response_format": "json"}, "response_format"),
+        (check_chat, {"response_format": {"type": "yaml"}}, "response_format"),
+        (check_messages, {"tool_choice": {"type": "weird"}}, "tool_choice"),
     ],
 )
 def test_the_reported_bodies_are_rejected(check: Check, body: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequestError) as caught:
         check({"model": "m", **body})
     assert caught.value.param == param
+
+
+def test_fields_that_need_a_partner_are_accepted_with_it() -> None:
+    check_chat({"model": "m", "top_logprobs": 5, "logprobs": True})
+    check_chat({"model": "m", "stream_options": {"include_usage": True}, "stream": True})
+    check_chat({"model": "m", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
 
 
 def test_a_huge_value_is_cut_short_in_the_message() -> None:

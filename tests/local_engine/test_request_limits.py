@@ -115,7 +115,7 @@ def test_good_fields_are_read_as_typed_values() -> None:
     assert (params.logprobs, params.max_tokens, params.logit_bias) == (3, 7, ((3, 2.0), (5, -100.0)))
     assert params.is_greedy and isinstance(params.temperature, float)
     assert from_openai({"prompt": "hi"}, is_chat=False).max_tokens == 16  # the legacy endpoint's default
-    assert from_openai({"prompt": "hi", "max_tokens": None}, is_chat=False).max_tokens is None
+    assert from_openai({"prompt": "hi", "max_tokens": None}, is_chat=False).max_tokens == 16  # null = not set
     assert from_openai({"seed": MIN_SEED}, is_chat=True).seed == MIN_SEED
 
 
