@@ -213,7 +213,7 @@ class Call:
                     yield out
         except GatewayError as error:
             if self._deployment is not None:
-                self.router.record_failure(self._deployment, error)
+                self.router.record_failure(self._deployment, error, model=self._served_target.health_key)
             self.metrics.errors.labels(error.code).inc()
             raise
         finally:

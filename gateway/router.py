@@ -36,6 +36,18 @@ _RETRIABLE = frozenset(
 _NOT_AGAIN = frozenset({"upstream_at_capacity"})
 
 
+_MAX_MODEL_STATES = 1024  # per-model failure records a wildcard deployment keeps (the oldest go first)
+
+
+@dataclass(slots=True)
+class ModelHealth:
+    """A wildcard deployment's health for one upstream model: a 429 or 5xx about `openai/gpt-4o` says nothing
+    about `openai/gpt-4.1`, so it cools that model down, not the deployment."""
+
+    num_fails: int = 0
+    cooldown_until: float = 0.0
+
+
 @dataclass(slots=True)
 class Deployment:
     config: DeploymentConfig
@@ -43,6 +55,10 @@ class Deployment:
     num_in_flight: int = 0
     num_fails: int = 0
     cooldown_until: float = 0.0
+    models: dict[str, ModelHealth] = field(default_factory=dict)  # wildcard routes: health per requested model
+
+    def health_of(self, model: str | None) -> ModelHealth | None:
+        return None if model is None else self.models.get(model)
 
     @property
     def name(self) -> str:
@@ -67,6 +83,11 @@ class Target:
     model_id: str
     requested: str
     route: ModelRoute
+
+    @property
+    def health_key(self) -> str | None:
+        """The model a wildcard route's failures are counted for (None: the deployment's own health)."""
+        return self.model_id if self.route.config.is_wildcard else None
 
     def upstream_model(self, deployment: Deployment) -> str:
         return deployment.config.upstream_model(self.requested if self.route.config.is_wildcard else self.model_id)
@@ -161,9 +182,10 @@ class Router:
             tried: set[str] = set()
             spent: set[str] = set()  # deployments this request must not try again (see `_NOT_AGAIN`)
             for attempt_number in range(1 + self.config.num_retries):
-                deployment = self.pick(current.route, exclude=tried, skip=spent)
+                model = current.health_key
+                deployment = self.pick(current.route, exclude=tried, skip=spent, model=model)
                 if deployment is None:
-                    last_error = last_error or self._all_cooling_error(current.route)
+                    last_error = last_error or self._all_cooling_error(current.route, model)
                     break
                 if attempt_number > 0:
                     await asyncio.sleep(self._backoff(attempt_number))
@@ -171,26 +193,34 @@ class Router:
                 try:
                     result = await attempt(deployment, current)
                 except GatewayError as error:
-                    self.record_failure(deployment, error)
+                    self.record_failure(deployment, error, model=model)
                     last_error = error
                     if error.code not in _RETRIABLE:
                         break
                     if error.code in _NOT_AGAIN:
                         spent.add(deployment.name)
                     continue
-                self.record_success(deployment)
+                self.record_success(deployment, model=model)
                 return result
             if last_error is not None and not _may_fall_back(last_error):
                 raise last_error
         assert last_error is not None  # the chain always holds `target`, which made at least one decision
         raise last_error
 
-    def pick(self, route: ModelRoute, *, exclude: Iterable[str] = (), skip: Iterable[str] = ()) -> Deployment | None:
+    def pick(
+        self,
+        route: ModelRoute,
+        *,
+        exclude: Iterable[str] = (),
+        skip: Iterable[str] = (),
+        model: str | None = None,
+    ) -> Deployment | None:
         """Least in-flight per unit of weight among available deployments, preferring ones not in `exclude`
-        (already tried) and never one in `skip`; None when none is left."""
+        (already tried) and never one in `skip`; None when none is left. `model`: the requested model of a
+        wildcard route, whose own cooldown counts too."""
         now = self._clock()
         skipped = set(skip)
-        available = [d for d in route.deployments if d.cooldown_until <= now and d.name not in skipped]
+        available = [d for d in route.deployments if self._cooldown_until(d, model) <= now and d.name not in skipped]
         if not available:
             return None
         fresh = [d for d in available if d.name not in exclude] or available
@@ -200,23 +230,47 @@ class Router:
         ties = [d for d in fresh if d.num_in_flight / d.config.weight == best]
         return random.choices(ties, weights=[d.config.weight for d in ties])[0]
 
-    def record_success(self, deployment: Deployment) -> None:
+    def record_success(self, deployment: Deployment, *, model: str | None = None) -> None:
         deployment.num_fails = 0
+        health = deployment.health_of(model)
+        if health is not None:
+            health.num_fails = 0
 
-    def record_failure(self, deployment: Deployment, error: GatewayError) -> None:
+    def record_failure(self, deployment: Deployment, error: GatewayError, *, model: str | None = None) -> None:
+        """Count a failure toward a cooldown: the deployment's, or with `model` (a wildcard route's requested
+        model) that model's on this deployment — except a failure to connect, which no model has alone."""
         if not isinstance(error, BackendError):
             return  # the caller's request or our own limits, not the deployment's health
-        deployment.num_fails += 1
+        health: Deployment | ModelHealth = deployment
+        if model is not None and error.code != "upstream_unreachable":
+            health = self._model_health(deployment, model)
+        health.num_fails += 1
         cooldown = self.config.cooldown_s
         if error.code == "upstream_rate_limited":
             retry_after = parse_retry_after(error.headers.get("retry-after"))
             if retry_after is not None:
                 cooldown = min(retry_after, self.config.max_retry_after_s)
             error.headers["retry-after"] = retry_after_header(cooldown)  # the client's hint: when this one is back
-        elif deployment.num_fails < self.config.max_fails:
+        elif health.num_fails < self.config.max_fails:
             return
-        deployment.cooldown_until = self._clock() + cooldown
-        deployment.num_fails = 0
+        health.cooldown_until = self._clock() + cooldown
+        health.num_fails = 0
+
+    def _model_health(self, deployment: Deployment, model: str) -> ModelHealth:
+        health = deployment.models.get(model)
+        if health is None:
+            if len(deployment.models) >= _MAX_MODEL_STATES:
+                now = self._clock()
+                for name in [n for n, h in deployment.models.items() if h.cooldown_until <= now and not h.num_fails]:
+                    del deployment.models[name]
+                while len(deployment.models) >= _MAX_MODEL_STATES:
+                    del deployment.models[next(iter(deployment.models))]
+            health = deployment.models[model] = ModelHealth()
+        return health
+
+    def _cooldown_until(self, deployment: Deployment, model: str | None) -> float:
+        health = deployment.health_of(model)
+        return deployment.cooldown_until if health is None else max(deployment.cooldown_until, health.cooldown_until)
 
     def mark_down(self, deployment: Deployment) -> None:
         """Take a deployment out for one cooldown (a failed health probe)."""
@@ -240,11 +294,12 @@ class Router:
         ceiling: float = min(self.config.max_backoff_s, self.config.retry_backoff_s * 2.0 ** (attempt_number - 1))
         return ceiling / 2 + random.uniform(0, ceiling / 2)  # "equal jitter": spread retries, keep a floor
 
-    def _all_cooling_error(self, route: ModelRoute) -> UnavailableError:
-        wait = max(0.0, min(d.cooldown_until for d in route.deployments) - self._clock())
+    def _all_cooling_error(self, route: ModelRoute, model: str | None = None) -> UnavailableError:
+        wait = max(0.0, min(self._cooldown_until(d, model) for d in route.deployments) - self._clock())
         seconds = max(1, int(wait + 0.999))
         return UnavailableError(
-            f"Every deployment of model {route.id!r} failed recently and is cooling down; retry in {seconds} s.",
+            f"Every deployment of model {model or route.id!r} failed recently and is cooling down; retry in "
+            f"{seconds} s.",
             code="upstream_cooling_down",
             headers={"retry-after": str(seconds)},
         )

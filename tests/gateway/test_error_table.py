@@ -384,3 +384,30 @@ async def test_stored_state_is_refused_on_a_translated_responses_model(
         assert_envelope(response, 400, "unsupported_parameter", param=param)
         ok = await client.post("/v1/responses", json={"model": "gpt-test", "input": "hi", "store": False}, headers=AUTH)
     assert ok.status_code == 200 and len(fake_upstream.requests) == 1
+
+
+async def test_a_failing_model_behind_a_wildcard_cools_down_alone(fake_upstream: FakeUpstream) -> None:
+    """A 429 or 5xx about one model a wildcard route forwards (OpenAI limits each model apart) cools that model on
+    the deployment; other models of the route keep being served. A failure to connect cools the deployment."""
+    routing = {
+        "models": [{"id": "oa/*", "deployments": [deployment(fake_upstream)]}],
+        "router": {"num_retries": 0, "max_fails": 1, "cooldown_s": 60},
+    }
+    async with asgi_client(build_app(routing)) as client:
+
+        async def ask(model: str) -> httpx.Response:
+            return await client.post("/v1/chat/completions", json={**CHAT, "model": model}, headers=AUTH)
+
+        fake_upstream.queue(Behavior(mode="status", status=429, retry_after="30"), Behavior(mode="status", status=500))
+        assert (await ask("oa/busy")).status_code == 429
+        assert (await ask("oa/broken")).status_code == 502
+        cooling = await ask("oa/busy")
+        assert_envelope(cooling, 503, "upstream_cooling_down")
+        assert "'oa/busy'" in cooling.json()["error"]["message"]  # the model asked for, never the pattern
+        assert (await ask("oa/broken")).status_code == 503
+        assert (await ask("oa/other")).status_code == 200
+        assert len(fake_upstream.requests) == 3  # the cooling models were not sent
+
+        fake_upstream.stop()  # (a pooled connection may first fail as a drop: that model alone cools)
+        statuses = [(await ask(f"oa/model-{i}")).status_code for i in range(3)]
+        assert statuses[-1] == 503 and 503 in statuses[1:]  # unreachable: every model of the deployment cools

@@ -10,7 +10,7 @@ from fakes.app import AUTH, CHAT, MASTER, asgi_client, build_app, deployment
 from fakes.upstream import Behavior, FakeUpstream
 
 from gateway.errors import BackendError, NotFoundError
-from gateway.router import Router
+from gateway.router import _MAX_MODEL_STATES, Router
 from gateway.routing_config import parse_routing
 
 FAST_RETRIES = {"num_retries": 2, "retry_backoff_s": 0.001, "max_backoff_s": 0.01, "cooldown_s": 60, "max_fails": 2}
@@ -225,16 +225,21 @@ def test_pick_is_weighted_between_ties() -> None:
     assert 0.8 < picks.count("d1") / len(picks) < 0.97
 
 
-def test_cooldown_skips_and_returns() -> None:
-    now = [100.0]
+def one_deployment_router(model_id: str, now: list[float], **router: Any) -> Router:
+    """A router over one model with one deployment `d0`, on a clock the test moves (`now[0]`)."""
     config = parse_routing(
         {
-            "models": [{"id": "m", "deployments": [{"type": "openai", "base_url": "http://x/v1", "name": "d0"}]}],
-            "router": {"max_fails": 2, "cooldown_s": 10},
+            "models": [{"id": model_id, "deployments": [{"type": "openai", "base_url": "http://x/v1", "name": "d0"}]}],
+            "router": router,
         },
         source="t",
     )
-    router = Router(config, {"d0": CountingBackend("d0")}, clock=lambda: now[0])  # type: ignore[dict-item]
+    return Router(config, {"d0": CountingBackend("d0")}, clock=lambda: now[0])  # type: ignore[dict-item]
+
+
+def test_cooldown_skips_and_returns() -> None:
+    now = [100.0]
+    router = one_deployment_router("m", now, max_fails=2, cooldown_s=10)
     route = router.routes[0]
     error = BackendError("boom", code="upstream_error")
     router.record_failure(route.deployments[0], error)
@@ -243,6 +248,25 @@ def test_cooldown_skips_and_returns() -> None:
     assert router.pick(route) is None
     now[0] += 10.5
     assert router.pick(route) is route.deployments[0]
+
+
+def test_per_model_cooldowns_of_a_wildcard_route_are_bounded_and_expire() -> None:
+    """Any model name reaches a wildcard route: its per-model records stay at most `_MAX_MODEL_STATES` (expired
+    ones, then the oldest, make room), and a cooled model comes back after `cooldown_s` like a deployment."""
+    now = [100.0]
+    router = one_deployment_router("oa/*", now, max_fails=1, cooldown_s=10)
+    route, [d0] = router.routes[0], router.routes[0].deployments
+    error = BackendError("boom", code="upstream_error")
+    router.record_failure(d0, error, model="oa/hot")
+    assert router.pick(route, model="oa/hot") is None and router.pick(route, model="oa/cold") is d0
+    assert router.pick(route) is d0  # the deployment itself is fine
+    now[0] += 10.5
+    for i in range(3 * _MAX_MODEL_STATES):
+        router.record_failure(d0, error, model=f"oa/m{i}")
+    assert len(d0.models) <= _MAX_MODEL_STATES
+    assert router.pick(route, model=f"oa/m{3 * _MAX_MODEL_STATES - 1}") is None  # the newest is still cooling
+    now[0] += 10.5
+    assert router.pick(route, model=f"oa/m{3 * _MAX_MODEL_STATES - 1}") is d0
 
 
 def test_wildcard_and_alias_resolution() -> None:
