@@ -68,8 +68,31 @@ def chat_to_messages(body: Json, *, default_max_tokens: int = DEFAULT_MAX_TOKENS
     if isinstance(body.get("user"), str):
         request["metadata"] = {"user_id": body["user"]}
     _add_tools(request, body, drops)
+    _add_response_format(request, body.get("response_format"), drops)
+    for name in _NO_EQUIVALENT:
+        if body.get(name) not in (None, False, 0):
+            drops.add("field", name)
     drops.log()
     return request
+
+
+# Chat fields a Messages request has nothing for: dropped, and named in the request's one warning line.
+_NO_EQUIVALENT = ("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "seed")
+
+
+def _add_response_format(request: Json, response_format: Any, drops: DropLog) -> None:
+    """A JSON schema becomes Anthropic's structured output (`output_config.format`); `json_object` (no schema)
+    has no equivalent and is logged as dropped; `text` is the default."""
+    if not isinstance(response_format, dict) or response_format.get("type") in (None, "text"):
+        return
+    json_schema = response_format.get("json_schema")
+    if response_format.get("type") == "json_schema" and isinstance(json_schema, dict):
+        schema = json_schema.get("schema")
+        request["output_config"] = {
+            "format": {"type": "json_schema", "schema": schema if isinstance(schema, dict) else {}}
+        }
+    else:
+        drops.add("response_format of type", response_format.get("type"))
 
 
 def _turns(messages: list[Json], drops: DropLog) -> tuple[list[str], list[Json]]:

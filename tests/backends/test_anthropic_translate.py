@@ -369,3 +369,20 @@ async def test_a_wrong_shaped_stream_event_is_the_upstreams_502(bad: Any) -> Non
     with pytest.raises(BackendError) as raised:
         await collect(events_to_chat_chunks(source(events, closed=closed), model="m"))
     assert raised.value.code == "upstream_malformed_response" and closed.is_closed
+
+
+def test_a_json_schema_becomes_structured_output_and_what_has_no_equivalent_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}},
+    }
+    assert chat_to_messages(body)["output_config"] == {"format": {"type": "json_schema", "schema": schema}}
+    with caplog.at_level("WARNING", logger="unigate.translate"):
+        request = chat_to_messages({**body, "response_format": {"type": "json_object"}, "seed": 7, "logprobs": True})
+    assert "output_config" not in request and "seed" not in request
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "response_format of type 'json_object'" in line and "'seed'" in line and "'logprobs'" in line
