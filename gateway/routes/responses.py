@@ -11,7 +11,8 @@ be readable across tenants. Without the opt-in a native request that leaves `sto
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 
 import orjson
 from starlette.requests import Request
@@ -56,7 +57,7 @@ async def create_response(request: Request) -> Response:
         events = _named(call.chunks())
     else:
         chat = responses_to_chat(_without_stored_state(body))  # a translation keeps no state either
-        with forwarding(request):
+        with forwarding(request), _named_as_input():
             call = await open_call(request, endpoint="chat/completions", body=chat, model=model, stream=stream)
             data = None if stream else await call.json()
         if data is not None:
@@ -65,6 +66,18 @@ async def create_response(request: Request) -> Response:
         events = chat_chunks_to_response_events(call.chunks(), request=body)
     encoded = with_keepalive(encode_events(events), interval_s=KEEPALIVE_INTERVAL_S, keepalive=_KEEPALIVE)
     return EventStreamResponse(encoded, headers=call.headers, error_tail=_error_tail, on_close=call.aclose)
+
+
+@contextmanager
+def _named_as_input() -> Iterator[None]:
+    """A refusal of the translated chat request names `messages`, which this client never sent: its `input` (with
+    `instructions`) is what became them."""
+    try:
+        yield
+    except InvalidRequestError as error:
+        if error.param is not None and error.param.startswith("messages"):
+            error.param = "input"
+        raise
 
 
 _STORED_STATE = ("previous_response_id", "conversation")

@@ -97,6 +97,15 @@ def _input_messages(body: Json, dropped: DropLog) -> list[Json]:
     elif items is not None:
         raise InvalidRequestError("'input' must be a string or a list of input items.", param="input")
     if not messages:
+        if isinstance(items, list) and items:
+            kinds = ", ".join(sorted({repr(i.get("type")) for i in items if isinstance(i, dict)})) or "none"
+            raise InvalidRequestError(
+                f"'input' holds no item this model can read (item types: {kinds}). Send `message`, "
+                "`function_call` and `function_call_output` items (an `item_reference` needs stored responses, "
+                "which this model does not keep).",
+                code="invalid_request",
+                param="input",
+            )
         raise InvalidRequestError("'input' is required: give a string or a list of input items.", param="input")
     return messages
 

@@ -121,6 +121,20 @@ async def test_bad_sampling_fields_never_stop_the_engine(backend: LocalBackend, 
     assert backend.health_state() == "up"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_responses_refusal_names_the_field_the_client_sent(backend: LocalBackend, stream: bool) -> None:
+    """The local engine refuses an image part of the translated chat request: the Responses client sent `input`."""
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
+    body = {"model": "tiny", "input": [{"role": "user", "content": [image]}], "stream": stream}
+    async with asgi_client(gateway(backend)) as client:
+        refused = await client.post("/v1/responses", json=body, headers=AUTH)
+        unreadable = await client.post(
+            "/v1/responses", json={**body, "input": [{"type": "item_reference", "id": "x"}]}, headers=AUTH
+        )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "input", refused.text
+    assert unreadable.status_code == 400 and "'item_reference'" in unreadable.json()["error"]["message"]
+
+
 # -- item 1: failure isolation and self-restart -------------------------------------------------------------------
 
 
