@@ -313,6 +313,7 @@ class ParsedRequest:
         self.clamped = clamped  # (requested, served) max_tokens when lowered to fit; reported once
         self._token_text = token_text
         self._tool_streams: dict[int, ToolCallStream] = {}
+        self._text_offsets: dict[int, int] = {}  # per choice: characters of its text so far (echoed prompt included)
 
     @property
     def object_prefix(self) -> str:
@@ -334,13 +335,10 @@ class ParsedRequest:
                 "logprobs": self._chat_logprobs(out.logprobs),
                 "finish_reason": finish_reason,
             }
-        text = out.text
-        if self.echo and prompt_index < len(self.prompt_texts):
-            text = self.prompt_texts[prompt_index] + text
         return {
             "index": index,
-            "text": text,
-            "logprobs": self._text_logprobs(out.logprobs),
+            "text": self._echoed(index) + out.text,
+            "logprobs": self._text_logprobs(index, out.logprobs),
             "finish_reason": out.finish_reason,
         }
 
@@ -372,10 +370,20 @@ class ParsedRequest:
             }
         return {
             "index": index,
-            "text": out.text,
-            "logprobs": self._text_logprobs(out.logprobs),
+            "text": self._echoed(index) + out.text,
+            "logprobs": self._text_logprobs(index, out.logprobs),
             "finish_reason": out.finish_reason,
         }
+
+    def _echoed(self, index: int) -> str:
+        """With `echo`, the prompt's text before a choice's first text (once per choice, streamed or not); the
+        choice's text offsets then count from its end."""
+        if not self.echo or index in self._text_offsets:
+            return ""
+        prompt_index = index // self.params.n
+        prompt = self.prompt_texts[prompt_index] if prompt_index < len(self.prompt_texts) else ""
+        self._text_offsets[index] = len(prompt)
+        return prompt
 
     def response(self, choices: list[Json], usage: Json, request_id: str) -> Json:
         response: Json = {
@@ -420,14 +428,16 @@ class ParsedRequest:
             content.append({"token": token, "logprob": entry.logprob, "bytes": raw, "top_logprobs": top})
         return {"content": content}
 
-    def _text_logprobs(self, logprobs: list[TokenLogprob] | None) -> Json | None:
+    def _text_logprobs(self, index: int, logprobs: list[TokenLogprob] | None) -> Json | None:
+        """Completions logprobs of choice `index`'s new tokens; `text_offset` counts into the whole text the
+        client receives for the choice (an echoed prompt, earlier chunks of a stream)."""
         if logprobs is None:
             return None
         tokens: list[str] = []
         token_logprobs: list[float] = []
         tops: list[dict[str, float]] = []
         offsets: list[int] = []
-        offset = 0
+        offset = self._text_offsets.get(index, 0)
         for entry in logprobs:
             token = self._token_text(entry.token_id)[0]
             tokens.append(token)
@@ -435,4 +445,5 @@ class ParsedRequest:
             tops.append({self._token_text(t)[0]: v for t, v in entry.top})
             offsets.append(offset)
             offset += len(token)
+        self._text_offsets[index] = offset
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}

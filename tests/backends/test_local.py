@@ -94,6 +94,25 @@ async def test_text_completions_with_several_prompts_and_n(backend: LocalBackend
     assert response["usage"]["completion_tokens"] == 16
 
 
+@pytest.mark.parametrize("seed", [3, 4])
+async def test_echo_and_text_offsets_agree_streamed_or_not(backend: LocalBackend, seed: int) -> None:
+    """`echo` puts the prompt before each choice's text in a stream too, and `text_offset` points each token at
+    its place in the text the client receives (after the echoed prompt, across a stream's chunks)."""
+    body = {"model": "tiny", "prompt": "Once upon", "max_tokens": 5, "seed": seed, "echo": True, "logprobs": 1}
+    whole = (await backend.send("completions", body, request_id="e"))["choices"][0]
+    chunks = [c async for c in backend.stream("completions", {**body, "stream": True}, request_id="es")]
+    streamed = [c["choices"][0] for c in chunks if c["choices"]]
+    text = "".join(choice["text"] for choice in streamed)
+    tokens = [t for choice in streamed if choice["logprobs"] for t in choice["logprobs"]["tokens"]]
+    offsets = [o for choice in streamed if choice["logprobs"] for o in choice["logprobs"]["text_offset"]]
+    assert text == whole["text"] and text.startswith("Once upon")
+    assert (tokens, offsets) == (whole["logprobs"]["tokens"], whole["logprobs"]["text_offset"])
+    assert offsets[0] == len("Once upon")
+    assert all(b - a == len(token) for a, b, token in zip(offsets, offsets[1:], tokens, strict=False))
+    whole_tokens = [(t, o) for t, o in zip(tokens, offsets, strict=True) if "\ufffd" not in t]  # (part of a character)
+    assert all(text[offset : offset + len(token)] == token for token, offset in whole_tokens)
+
+
 async def test_logprobs_in_openai_shape(backend: LocalBackend) -> None:
     body = {**CHAT, "max_tokens": 3, "logprobs": True, "top_logprobs": 2}
     [choice] = (await backend.send("chat/completions", body, request_id="l"))["choices"]

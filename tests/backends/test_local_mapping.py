@@ -362,7 +362,7 @@ def test_text_completion_echo_and_logprobs() -> None:
         "tokens": ["x", "y"],
         "token_logprobs": [-0.1, -0.2],
         "top_logprobs": [{"x": -0.1}, {}],
-        "text_offset": [0, 1],
+        "text_offset": [2, 3],  # into "cdxy": after the echoed prompt
     }
     assert request.response([choice], {}, "t")["id"] == "cmpl-t"
     delta = request.delta_choice(3, CompletionOutput(1, text="z"))
