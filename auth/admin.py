@@ -28,6 +28,7 @@ __all__ = [
 
 _MAX_MODELS = 256
 _MAX_BUDGET_USD = 1_000_000_000  # keeps micro-units far inside a Lua double's exact integers
+_MAX_LIMIT = 2**53  # limits and token budgets: exact in a Lua double and in JSON readers (JavaScript's safe range)
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
@@ -59,10 +60,10 @@ class KeyCreateBody(BaseModel):
 
     name: str = Field(default="", max_length=200)
     models: list[str] = Field(default_factory=list, max_length=_MAX_MODELS)
-    rpm: int | None = Field(default=None, ge=0)
-    tpm: int | None = Field(default=None, ge=0)
-    max_concurrent: int | None = Field(default=None, ge=1)
-    token_budget: int | None = Field(default=None, ge=0)
+    rpm: int | None = Field(default=None, ge=0, le=_MAX_LIMIT)
+    tpm: int | None = Field(default=None, ge=0, le=_MAX_LIMIT)
+    max_concurrent: int | None = Field(default=None, ge=1, le=_MAX_LIMIT)
+    token_budget: int | None = Field(default=None, ge=0, le=_MAX_LIMIT)
     budget_usd: Decimal | None = Field(default=None, ge=0, le=_MAX_BUDGET_USD, decimal_places=6)
     budget_period: Literal["total", "day", "month"] = "total"
     expires_at: AwareDatetime | None = None
@@ -82,10 +83,10 @@ class KeyUpdateBody(BaseModel):
 
     name: str | None = Field(default=None, max_length=200)
     models: list[str] | None = Field(default=None, max_length=_MAX_MODELS)
-    rpm: int | None = Field(default=None, ge=0)
-    tpm: int | None = Field(default=None, ge=0)
-    max_concurrent: int | None = Field(default=None, ge=1)
-    token_budget: int | None = Field(default=None, ge=0)
+    rpm: int | None = Field(default=None, ge=0, le=_MAX_LIMIT)
+    tpm: int | None = Field(default=None, ge=0, le=_MAX_LIMIT)
+    max_concurrent: int | None = Field(default=None, ge=1, le=_MAX_LIMIT)
+    token_budget: int | None = Field(default=None, ge=0, le=_MAX_LIMIT)
     budget_usd: Decimal | None = Field(default=None, ge=0, le=_MAX_BUDGET_USD, decimal_places=6)
     budget_period: Literal["total", "day", "month"] | None = None
     expires_at: AwareDatetime | None = None

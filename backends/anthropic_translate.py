@@ -271,9 +271,13 @@ def _index(event: Json) -> int:
     return index
 
 
-def chat_usage(usage: Any) -> Json:
-    """Chat usage counts cache reads and writes inside `prompt_tokens`; Anthropic counts them apart."""
+def chat_usage(usage: Any) -> Json | None:
+    """Chat usage counts cache reads and writes inside `prompt_tokens`; Anthropic counts them apart. None when the
+    upstream gave no count as a number: the gateway then charges its estimate, never a made-up 0."""
     usage = usage if isinstance(usage, dict) else {}
+    counts = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    if not any(isinstance(usage.get(n), int | float) and not isinstance(usage.get(n), bool) for n in counts):
+        return None
     cache_read = usage_count(usage.get("cache_read_input_tokens"))
     cache_write = usage_count(usage.get("cache_creation_input_tokens"))
     prompt_tokens = usage_count(usage.get("input_tokens")) + cache_read + cache_write

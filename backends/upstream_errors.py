@@ -96,8 +96,8 @@ class UpstreamErrors:
             )
         if status == 404:
             return NotFoundError(
-                f"The upstream of deployment {self.name!r} answered HTTP 404 ({detail}): it does not serve the "
-                "model the request named (check the model id), or the deployment's base_url is wrong.",
+                f"The upstream answered HTTP 404 ({detail}): it does not serve the model the request named (check "
+                "the model id), or the deployment's base_url is wrong.",
                 code=code or "model_not_found",
                 param="model",
             )

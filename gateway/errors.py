@@ -136,7 +136,7 @@ def upstream_malformed(what: str) -> BackendError:
     what was wrong with it)."""
     return BackendError(
         f"The upstream returned a malformed response: {what}. The gateway did not forward it; retry, and if it "
-        "persists the upstream (or the deployment's base_url) is not OpenAI-compatible.",
+        "persists the upstream (or the deployment's base_url) does not speak the API of its deployment type.",
         code="upstream_malformed_response",
     )
 

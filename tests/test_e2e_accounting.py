@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fakes.anthropic_upstream import UPSTREAM_KEY, FakeAnthropic
 from fakes.app import MASTER
 from fakes.instances import gateway_instances
 from fakes.net import DelayingProxy
@@ -301,3 +302,23 @@ async def test_a_list_of_prompts_reserves_its_whole_output_and_is_capped(
         too_many = await client.post(f"{a.url}/v1/completions", json={**many, "prompt": ["Hi"] * 65}, headers=user)
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt", too_many.text
     assert "130 completions" in too_many.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("family", ["chat", "responses"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_an_anthropic_answer_without_usage_is_charged_an_estimate_through_a_translation(
+    redis_url: str, tmp_path: Path, family: str, stream: bool
+) -> None:
+    """Translated to chat, an Anthropic answer without usage must not read as 0 tokens (it did: budgets were
+    free); the estimate is charged: "hi" (1 token) + "Hello from fake" (15 characters: 4 tokens)."""
+    claude = ThreadedServer(FakeAnthropic().app(), lifespan="off").start()
+    deployment = {"type": "anthropic", "base_url": claude.url + "/v1", "api_key": UPSTREAM_KEY}
+    try:
+        with gateway_instances(redis_url, tmp_path, [{"id": "claude-nousage", "deployments": [deployment]}]) as (a, _):
+            async with httpx.AsyncClient(timeout=30) as client:
+                key_id, user = await create_key(client, a.url, token_budget=1000)
+                assert await send(client, a.url, family, user, stream=stream, model="claude-nousage") == 200
+                record = await settled_record(client, a.url, key_id, 1)
+    finally:
+        claude.stop()
+    assert record["tokens_spent"] == 1 + 4

@@ -23,6 +23,7 @@ from gateway.translate.common import (
     Json,
     TextHoldingBuilder,
     content_text,
+    dumps_request,
     logger,
     new_id,
     position_id,
@@ -49,6 +50,9 @@ def responses_to_chat(body: Json) -> Json:
             code="unsupported_parameter",
             param="previous_response_id",
         )
+    for name in _ECHOED:  # the Response object repeats them: they must be writable one event level deeper
+        if body.get(name) is not None:
+            dumps_request({"response": {name: body[name]}}, param=name)
     dropped = DropLog("chat completions")
     messages = _input_messages(body, dropped)
     chat: Json = {"model": body.get("model"), "messages": messages}
@@ -268,6 +272,9 @@ def _response_format(text: Any) -> Json | None:
 
 
 # ---------------------------------------------------------------- response: chat → Responses
+
+
+_ECHOED = ("tools", "text", "tool_choice", "reasoning", "metadata")  # request fields `response_object` repeats
 
 
 def response_object(request: Json, *, response_id: str, created_at: int, status: str) -> Json:

@@ -113,6 +113,8 @@ async def test_patch_changes_only_sent_fields_and_null_clears(admin: httpx.Async
         ({"budget_period": "week"}, "budget_period"),
         ({"unknown": 1}, "unknown"),
         ({"rpm": True}, "rpm"),  # not coerced to a limit of 1
+        ({"tpm": 2**64}, "tpm"),  # over 2^53: not exact in Redis's Lua, and beyond what the record can be read back as
+        ({"token_budget": 2**53 + 1}, "token_budget"),
         ({"tpm": "60"}, "tpm"),
         ({"max_concurrent": 2.0}, "max_concurrent"),
         ({"token_budget": 1e3}, "token_budget"),

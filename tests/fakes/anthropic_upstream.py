@@ -10,6 +10,7 @@
     claude-cut       stream ends cleanly before message_stop
     claude-reset     stream breaks the connection mid-body
     claude-error     stream sends an `error` event (overloaded) after the first delta
+    claude-nousage   claude-ok without any `usage` (answer and stream events)
 
 Only the key `upstream-key` is accepted (401 otherwise). Every request is recorded in `FakeAnthropic.requests`.
 """
@@ -92,7 +93,10 @@ class FakeAnthropic:
         events = _events(model, body)
         if body.get("stream"):
             return StreamingResponse(_sse(model, events, self.break_when), media_type="text/event-stream")
-        return JSONResponse(_message(model, is_tool=model == "claude-tool"))
+        message = _message(model, is_tool=model == "claude-tool")
+        if model == "claude-nousage":
+            del message["usage"]
+        return JSONResponse(message)
 
 
 def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> Response:
@@ -158,6 +162,11 @@ def _events(model: str, body: dict[str, Any]) -> list[dict[str, Any]]:
         },
         {"type": "message_stop"},
     ]
+    if model == "claude-nousage":
+        for event in events:
+            event.pop("usage", None)
+            if isinstance(event.get("message"), dict):
+                event["message"].pop("usage", None)
     return events
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import orjson
 import pytest
 from openai import omit
 from openai.lib.streaming.responses._responses import ResponseStreamState
@@ -14,6 +15,7 @@ from translate_helpers import SourceClosed, check_responses_events, chunk, colle
 
 from gateway.errors import InvalidRequestError, LimitError
 from gateway.translate import chat_chunks_to_response_events, chat_to_response, responses_to_chat
+from gateway.translate.responses import response_object
 
 _EVENT = TypeAdapter(ResponseStreamEvent)
 
@@ -387,3 +389,21 @@ async def test_text_interleaved_with_a_call_is_kept() -> None:
     assert [item["type"] for item in output] == ["function_call", "message"]
     assert output[0]["arguments"] == '{"command":["ls"]}' and output[1]["content"][0]["text"] == "\n"
     _sdk_final_response(events, [FUNCTION_TOOL])
+
+
+@pytest.mark.parametrize("depth", [100, 124, 125, 126, 200])
+def test_what_the_response_repeats_is_writable_or_refused_up_front(depth: int) -> None:
+    """The Response object repeats `tools` (and `text`, ...), one level deeper in a stream's events: a schema
+    nested so deep that it cannot be written there is a 400 naming it before anything runs, never a 500 after
+    the model answered (and the key was charged)."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    body = {"model": "m", "input": "hi", "tools": [{"type": "function", "name": "f", "parameters": schema}]}
+    try:
+        responses_to_chat(body)
+    except InvalidRequestError as error:
+        assert (error.status_code, error.param) == (400, "tools")
+        return
+    frame = response_object(body, response_id="r", created_at=0, status="in_progress")
+    assert orjson.dumps({"type": "response.created", "response": frame})
