@@ -405,6 +405,15 @@ class EmbeddedRedis:
             time.sleep(0.05)
         return self.url
 
+    def check_available(self) -> None:
+        """Raise `DataDirInUseError` now when another process owns the directory (its lock is free otherwise):
+        a start that would be refused must not first do anything in the directory (e.g. write a master key)."""
+        if self._lock is not None:
+            return
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._take_lock()
+        self._release_lock()
+
     def _take_lock(self) -> None:
         if self._lock is not None:
             return

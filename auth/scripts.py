@@ -31,6 +31,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import (
     AskError,
+    AuthenticationError,
     ClusterDownError,
     MovedError,
     NoPermissionError,
@@ -109,13 +110,15 @@ _SCRIPT_LINE = re.compile(r"user_script:(\d+)")
 # loading, a busy script, a cluster that is down or resharding, ACLs): the store is unusable, not our script.
 # Inside a script Redis 6 wraps them ("... @user_script:12: -READONLY ..."), Redis 7 starts with them.
 _SERVER_STATE = re.compile(
-    r"(?:^|-)(?:READONLY|OOM|MISCONF|NOREPLICAS|MASTERDOWN|LOADING|BUSY|CLUSTERDOWN|TRYAGAIN|MOVED|ASK|NOPERM)\b"
+    r"(?:^|-)(?:READONLY|OOM|MISCONF|NOREPLICAS|MASTERDOWN|LOADING|BUSY|CLUSTERDOWN|TRYAGAIN|MOVED|ASK|NOPERM"
+    r"|NOAUTH|WRONGPASS)\b"
 )
 # redis-py maps these replies to their own exception classes and strips the code from the message (it keeps it
-# as `status_code`). The first group is a redirection or a role, not an outage.
-_NOT_OUTAGES = frozenset({"READONLY", "TRYAGAIN", "MOVED", "ASK"})
-_SERVER_STATES = _NOT_OUTAGES | {"OOM", "MISCONF", "NOREPLICAS", "MASTERDOWN", "LOADING", "BUSY", "CLUSTERDOWN",
-                                 "NOPERM"}  # fmt: skip
+# as `status_code`). The first group is not an outage: a redirection, a role, or credentials (no password, a wrong
+# one, an ACL user without the commands) — a gateway misconfigured for its Redis must not serve without limits.
+_CREDENTIALS = frozenset({"NOPERM", "NOAUTH", "WRONGPASS"})
+_NOT_OUTAGES = frozenset({"READONLY", "TRYAGAIN", "MOVED", "ASK"}) | _CREDENTIALS
+_SERVER_STATES = _NOT_OUTAGES | {"OOM", "MISCONF", "NOREPLICAS", "MASTERDOWN", "LOADING", "BUSY", "CLUSTERDOWN"}
 
 
 _STATE_OF_CLASS: tuple[tuple[type[ResponseError], str], ...] = (
@@ -129,8 +132,10 @@ _STATE_OF_CLASS: tuple[tuple[type[ResponseError], str], ...] = (
 )
 
 
-def _server_state(exc: ResponseError) -> str | None:
+def _server_state(exc: RedisError) -> str | None:
     """The state an error reply describes ("READONLY", "CLUSTERDOWN", ...), None for any other error."""
+    if isinstance(exc, AuthenticationError):  # a ConnectionError in redis-py: NOAUTH / WRONGPASS / AUTH refused
+        return "NOAUTH"
     code = getattr(exc, "status_code", None)
     if code in _SERVER_STATES:
         return str(code)
@@ -144,22 +149,29 @@ def _server_state(exc: ResponseError) -> str | None:
 def classify_failure(exc: BaseException, script: LuaScript) -> StorageError | ScriptError:
     """A failed script call as an outage (`StorageError`), a refusal that is not one (`StorageError` with
     `is_outage` False) or a bug of ours (`ScriptError`, CROSSSLOT included)."""
-    if isinstance(exc, ResponseError):
+    if isinstance(exc, ResponseError | AuthenticationError):
         state = _server_state(exc)
         if state is None:
             return ScriptError(script.name, str(exc), line_offset=script.num_prelude_lines)
-        return _storage_error(exc, is_outage=state not in _NOT_OUTAGES)
+        return _storage_error(exc, is_outage=state not in _NOT_OUTAGES, state=state)
     if isinstance(exc, ValueError | TypeError | IndexError | KeyError | AttributeError):
         return ScriptError(script.name, f"unreadable reply ({type(exc).__name__}: {exc})")
     return _storage_error(exc)
 
 
-def _storage_error(exc: BaseException, *, is_outage: bool = True) -> StorageError:
-    error = StorageError(
-        f"The key store (Redis) is unavailable ({type(exc).__name__}). Retry shortly; if it persists, check "
-        "that Redis is running and reachable from the gateway.",
-        headers={"retry-after": "1"},
-    )
+def _storage_error(exc: BaseException, *, is_outage: bool = True, state: str | None = None) -> StorageError:
+    if state in _CREDENTIALS:
+        message = (
+            f"The key store (Redis) refused the gateway's credentials ({state}); no request is served without its "
+            "limits. The gateway operator must set the Redis password / ACL user in REDIS_URL "
+            "(redis://user:password@host:6379)."
+        )
+    else:
+        message = (
+            f"The key store (Redis) is unavailable ({type(exc).__name__}). Retry shortly; if it persists, check "
+            "that Redis is running and reachable from the gateway."
+        )
+    error = StorageError(message, headers={"retry-after": "1"})
     error.is_outage = is_outage
     return error
 
@@ -171,8 +183,8 @@ async def storage_errors() -> AsyncIterator[None]:
     try:
         yield
     except _STORAGE_FAILURES as exc:
-        state = _server_state(exc) if isinstance(exc, ResponseError) else None
-        raise _storage_error(exc, is_outage=state not in _NOT_OUTAGES) from exc
+        state = _server_state(exc) if isinstance(exc, ResponseError | AuthenticationError) else None
+        raise _storage_error(exc, is_outage=state not in _NOT_OUTAGES, state=state) from exc
 
 
 _LUA_DIR = Path(__file__).parent / "lua"  # shipped as package data (pyproject: auth = ["lua/*.lua"])

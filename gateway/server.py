@@ -119,6 +119,11 @@ def run(settings: Settings) -> None:
     from auth.redis_client import EmbeddedRedis
 
     configure_logging(settings.log_level, settings.log_format)
+    if settings.redis_url is None:  # refused now if another process runs on this data directory, before writing
+        try:
+            EmbeddedRedis(settings.data_dir).check_available()
+        except DataDirInUseError as exc:
+            raise SystemExit(f"unigate: {exc}") from None
     # Resolve once in the parent so a generated master key is created and printed exactly once.
     if settings.master_key is None:
         key = resolve_master_key(_configured_master_key(settings), settings.data_dir)

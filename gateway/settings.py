@@ -52,11 +52,15 @@ class EngineSettings(EngineConfig):
 
 
 class LimitSettings(BaseModel):
-    key_cache_ttl_s: float = 5.0  # verified keys cached in-process this long (revocation still propagates in < 1 s)
-    default_max_tokens: int = 1024  # completion-token reservation when a request sets no max_tokens
-    lease_ttl_s: float = 600.0  # concurrency/upstream leases expire after this, so a crashed instance leaks nothing
-    redis_timeout_s: float = 1.0  # socket/connect timeout per Redis call: a dead Redis fails fast, never hangs
-    pool_timeout_s: float = 10.0  # how long a request waits for an upstream slot (max_in_flight) before 503
+    # verified keys cached in-process this long (revocation still propagates in < 1 s)
+    key_cache_ttl_s: float = Field(default=5.0, ge=0, allow_inf_nan=False)
+    default_max_tokens: int = Field(default=1024, ge=0)  # completion-token reservation when a request sets none
+    # concurrency/upstream leases expire after this, so a crashed instance leaks nothing
+    lease_ttl_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
+    # socket/connect timeout per Redis call: a dead Redis fails fast, never hangs (0 would fail every call)
+    redis_timeout_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    # how long a request waits for an upstream slot (max_in_flight) before 503
+    pool_timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
 
 
 class ConsoleSettings(BaseModel):

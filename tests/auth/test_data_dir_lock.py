@@ -71,8 +71,12 @@ def _stop_orphan(data_dir: Path) -> None:
         client.close()
 
 
-@pytest.mark.parametrize("workers", ["1", "2"])
-def test_unigate_serve_on_a_directory_in_use_exits_with_the_fix(tmp_path: Path, workers: str) -> None:
+@pytest.mark.parametrize(
+    ("workers", "master_key"), [("1", "sk-master-lock-test"), ("2", "sk-master-lock-test"), ("1", "")]
+)
+def test_unigate_serve_on_a_directory_in_use_exits_with_the_fix(tmp_path: Path, workers: str, master_key: str) -> None:
+    """Refused before it does anything there: without UNIGATE_MASTER_KEY it must not generate and store a key
+    (the running owner's clients would then read a key that matches nothing)."""
     owner = EmbeddedRedis(tmp_path / "data")
     owner.start()
     try:
@@ -81,9 +85,10 @@ def test_unigate_serve_on_a_directory_in_use_exits_with_the_fix(tmp_path: Path, 
             "UNIGATE_DATA_DIR": str(tmp_path / "data"),
             "UNIGATE_PORT": "0",
             "UNIGATE_WORKERS": workers,
-            "UNIGATE_MASTER_KEY": "sk-master-lock-test",
             "UNIGATE_ENGINE__ENABLED": "false",
         }
+        if master_key:
+            env["UNIGATE_MASTER_KEY"] = master_key
         result = subprocess.run(
             [sys.executable, "-c", "from gateway.cli import main; main()", "serve"],
             env=env,
@@ -99,3 +104,4 @@ def test_unigate_serve_on_a_directory_in_use_exits_with_the_fix(tmp_path: Path, 
     assert f"is in use by another unigate process (pid {os.getpid()})" in result.stderr
     assert "UNIGATE_DATA_DIR" in result.stderr and "UNIGATE_REDIS_URL" in result.stderr
     assert "Traceback" not in result.stderr
+    assert not (tmp_path / "data" / "master_key").exists() and "generated a master key" not in result.stderr

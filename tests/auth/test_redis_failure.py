@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -111,3 +112,34 @@ async def test_fail_open_skips_limits_and_recovers(make_access: Any, server: Emb
         for _ in range(3):
             await access.admit(secret, model="m", estimated_tokens=1)
     await admin.aclose()
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+async def test_a_redis_that_refuses_the_gateways_credentials_never_opens_the_bypass(
+    make_access: Any, server: EmbeddedRedis, mode: str
+) -> None:
+    """A password set on Redis (or a wrong one in REDIS_URL) is the operator's misconfiguration, not an outage:
+    every key gets 503 naming the credentials, even a cached key in open mode, until the URL is fixed."""
+    admin = connect(server.url)
+    _, secret = await KeyStore(admin).create({"rpm": 2})
+    access = await make_access(server.url, key_cache_ttl_s=30.0, redis_failure_mode=mode)
+    await access.admit(secret, model="m", estimated_tokens=1)
+    try:
+        await admin.config_set("requirepass", "s3cret")
+        await admin.execute_command("CLIENT", "KILL", "TYPE", "normal")  # every connection must authenticate again
+        # A killed connection is a short outage (the next call finds it closed; then the gateway skips Redis for
+        # 0.5 s); once it reconnects and Redis asks for a password, nothing is served without its limits.
+        with contextlib.suppress(UnavailableError):
+            await access.admit(secret, model="m", estimated_tokens=1)
+        await asyncio.sleep(0.6)
+        bypasses = access.num_limit_bypasses
+        for _ in range(3):
+            with pytest.raises(UnavailableError) as caught:
+                await access.admit(secret, model="m", estimated_tokens=1)
+            assert caught.value.code == "limits_unavailable", caught.value.message
+        assert access.num_limit_bypasses == bypasses
+    finally:
+        fixed = connect(server.url.replace("redis://", "redis://:s3cret@"))
+        await fixed.config_set("requirepass", "")
+        await fixed.aclose()
+        await admin.aclose()

@@ -141,3 +141,11 @@ def test_the_engine_takes_the_run_options_alone() -> None:
     assert type(config) is EngineConfig and config.block_size == 32 and config.device == "cpu"
     assert config == EngineConfig(block_size=32, device="cpu")
     assert EngineConfig.of(config) is config
+
+
+@pytest.mark.parametrize("name", ["REDIS_TIMEOUT_S", "LEASE_TTL_S", "POOL_TIMEOUT_S"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_limit_timeouts_must_be_positive(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
+    """A Redis timeout of 0 would make every call time out: Redis "down" forever, from a typo."""
+    message = settings_error(monkeypatch, **{f"UNIGATE_LIMITS__{name}": value})
+    assert message.startswith(f"UNIGATE_LIMITS__{name}={value}:"), message
