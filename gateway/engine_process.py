@@ -36,7 +36,7 @@ import orjson
 
 from gateway.routing_config import DeploymentConfig, RoutingConfig
 
-__all__ = ["EngineProcess", "EngineStartError", "EngineSupervisor", "main"]
+__all__ = ["EngineProcess", "EngineStartError", "EngineSupervisor", "exit_with_parent", "main"]
 
 logger = logging.getLogger("unigate.engine")
 
@@ -255,7 +255,7 @@ def main() -> None:
     finally:
         os.umask(previous_umask)
     ready_fd: int = spec["ready_fd"]
-    _exit_with_parent(spec["parent_pid"])
+    exit_with_parent(spec["parent_pid"])
 
     def notify_started() -> None:
         os.write(ready_fd, b"1")
@@ -267,9 +267,9 @@ def main() -> None:
         path.unlink(missing_ok=True)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
+def exit_with_parent(parent_pid: int) -> None:
     """Shut down (as on SIGTERM) when the parent is gone, e.g. killed with SIGKILL, rather than hold the model's
-    memory for nobody."""
+    memory (an engine) or the port (a worker) for nobody."""
 
     def watch() -> None:
         while os.getppid() == parent_pid:

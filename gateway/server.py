@@ -83,6 +83,12 @@ def app_from_env() -> Starlette:
     if sockets:
         settings = settings.with_engine_sockets(orjson.loads(sockets))
     configure_logging(settings.log_level, settings.log_format)
+    if settings.workers > 1:
+        # A worker of `unigate serve --workers N` must not outlive a killed parent: the parent restarts the engine,
+        # and a worker serving on without one would answer 503 forever while holding the port.
+        from gateway.engine_process import exit_with_parent
+
+        exit_with_parent(os.getppid())
     try:
         app = build_app(settings)
     except DataDirInUseError as exc:

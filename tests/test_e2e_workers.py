@@ -8,6 +8,7 @@ SIGTERM stops every process and removes the socket.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 import signal
@@ -271,3 +272,23 @@ def test_a_dead_engine_gets_503_then_a_new_one_and_sigterm_stops_everything(tmp_
     finally:
         if gateway.process.poll() is None:
             _kill_tree(gateway.process)
+
+
+def test_workers_and_engine_stop_when_the_parent_is_killed(tmp_path: Path, checkpoint: Path) -> None:
+    """`kill -9` of `unigate serve --workers 2`: the workers (which would answer 503 forever, holding the port) and
+    the engine stop by themselves, and a new `unigate serve` can take the port and the data directory."""
+    gateway = start_gateway(tmp_path, checkpoint)
+    port = int(gateway.url.rsplit(":", 1)[1])
+    children = gateway.parent.children(recursive=True)
+    redis_servers = [p for p in children if "redis-server" in " ".join(p.cmdline())]
+    try:
+        gateway.parent.kill()
+        gateway.process.wait(10)
+        _, alive = psutil.wait_procs([p for p in children if p not in redis_servers], timeout=20)
+        assert alive == [], [p.cmdline() for p in alive]
+        with socket.socket(socket.AF_INET) as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0
+    finally:
+        for process in children:  # the embedded Redis outlives a SIGKILLed owner (the next start attaches to it)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
