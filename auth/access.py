@@ -47,6 +47,7 @@ from auth.cluster_pipe import make_pipe
 from auth.keys import hash_key, new_request_id
 from auth.redis_client import RedisClient, disconnect_idle, is_writable, subscribe
 from auth.scripts import DEFAULT_SCRIPTS, AdmitReply, ScriptError, ScriptSet, StorageError
+from auth.settle_retry import SettleRetries
 from auth.store import KeyRecord, KeyStore
 from auth.upstream import RedisUpstreamLimiter, cancel_until_done
 from gateway.errors import (
@@ -248,6 +249,8 @@ class RedisAccess:
         self._listener: asyncio.Task[None] | None = None
         self._open_settles: dict[str, _SettleBatch] = {}
         self._settling: set[asyncio.Task[None]] = set()
+        # Settles Redis could not take, sent again once it answers (their leases would otherwise be held to TTL).
+        self._retries = SettleRetries(self._resend_settles, is_down=lambda: time.monotonic() < self._redis_down_until)
         self._is_closing = False
         # Counters for the app's metrics registry (gateway/metrics exports them; no global registry here).
         self.num_storage_errors = 0
@@ -274,6 +277,7 @@ class RedisAccess:
     async def aclose(self) -> None:
         if self._settling:  # settles already queued are sent, not dropped (each is bounded by the socket timeout)
             await asyncio.wait(set(self._settling), timeout=5.0)
+        await self._retries.aclose()
         self._is_closing = True  # the listener also checks it at least once a second
         if self._listener is not None:
             await cancel_until_done({self._listener}, timeout_s=3.0)
@@ -484,12 +488,24 @@ class RedisAccess:
         and usage updates cost Redis once per batch (at c=32 on one key that halved Redis' time per request)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
-        if admission.is_settled or time.monotonic() < self._redis_down_until:
-            admission.is_settled = True
+        if admission.is_settled:
             future.set_result(None)
             return future
         admission.is_settled = True
         key_id = admission.principal.key_id or redis_names.MASTER_ID
+        item = scripts.SettleItem(
+            request_id=admission.lease_id or new_request_id(),
+            reserved_tokens=admission.reserved_tokens,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            model=admission.model,
+            cost_micros=usage.cost_micros,
+            is_priced=usage.is_priced,
+        )
+        if time.monotonic() < self._redis_down_until:  # known down: keep it for when Redis answers again
+            self._retries.keep(key_id, [item])
+            future.set_result(None)
+            return future
         batch = self._open_settles.get(key_id)
         if batch is None or len(batch.items) >= _MAX_SETTLE_BATCH:
             self._open_settles[key_id] = batch = _SettleBatch(key_id)
@@ -498,17 +514,7 @@ class RedisAccess:
             task = asyncio.ensure_future(self._finish_settles(batch, reply))
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
-        batch.items.append(
-            scripts.SettleItem(
-                request_id=admission.lease_id or new_request_id(),
-                reserved_tokens=admission.reserved_tokens,
-                prompt_tokens=usage.prompt_tokens,
-                completion_tokens=usage.completion_tokens,
-                model=admission.model,
-                cost_micros=usage.cost_micros,
-                is_priced=usage.is_priced,
-            )
-        )
+        batch.items.append(item)
         batch.request_ids.append(admission.request_id)
         batch.futures.append(future)
         return future
@@ -553,8 +559,32 @@ class RedisAccess:
                 self.note_script_error(error, ",".join(filter(None, batch.request_ids)) or batch.key_id)
             except StorageError as exc:
                 await self.note_failure("settle", exc)
+                self._retries.keep(batch.key_id, batch.items)
         finally:
             self._close_batch(batch)  # the pipe failed before writing it: nothing more may join
             for future in batch.futures:
                 if not future.done():
                     future.set_result(None)
+
+    async def _resend_settles(self, key_id: str, items: list[scripts.SettleItem]) -> None:
+        """Send settles kept by `SettleRetries` (idempotent: one that did reach Redis changes nothing); raises
+        `StorageError` while Redis is still unavailable. A script error drops them, counted like any other."""
+        for start in range(0, len(items), _MAX_SETTLE_BATCH):
+            try:
+                try:
+                    await scripts.settle_requests(
+                        self._pipe,
+                        key_id=key_id,
+                        items=items[start : start + _MAX_SETTLE_BATCH],
+                        window_ms=self._window_ms,
+                        marker_ttl_ms=_MARKER_TTL_MS,
+                        usage_retention_s=_USAGE_RETENTION_S,
+                        scripts=self._scripts,
+                    )
+                except (TimeoutError, RedisError, OSError) as exc:
+                    raise scripts.classify_failure(exc, self._scripts.settle) from exc
+            except ScriptError as error:
+                self.note_script_error(error, key_id)
+            except StorageError as exc:
+                await self.note_failure("settle", exc)
+                raise

@@ -143,3 +143,34 @@ async def test_a_redis_that_refuses_the_gateways_credentials_never_opens_the_byp
         await fixed.config_set("requirepass", "")
         await fixed.aclose()
         await admin.aclose()
+
+
+async def test_a_settle_lost_to_a_short_outage_is_sent_again_when_redis_answers(
+    make_access: Any, server: EmbeddedRedis
+) -> None:
+    """Redis restarting while a `max_concurrent: 1` key's request ends: the settle fails, and was dropped, so the
+    lease (saved with the data) locked the key out for `lease_ttl_s` (10 minutes). Kept and sent again once Redis
+    answers, it frees the slot and charges the usage exactly once."""
+    admin = connect(server.url)
+    created, secret = await KeyStore(admin).create({"max_concurrent": 1})
+    access = await make_access(server.url)
+    admission = await access.admit(secret, model="m", estimated_tokens=1)
+    server.stop()  # saves its data, the lease included, and exits
+    await access.settle(admission, SettleUsage(5, 7))  # refused: kept for later
+    assert access.num_storage_errors >= 1
+    server.start()
+    await admin.aclose()
+    admin = connect(server.url)
+    deadline = time.monotonic() + 5.0
+    while True:
+        bypasses = access.num_limit_bypasses
+        try:
+            await access.admit(secret, model="m", estimated_tokens=1)
+            if access.num_limit_bypasses == bypasses:  # checked by Redis (not the cached key's bypass): slot free
+                break
+        except (LimitError, UnavailableError):  # the lease holds the slot, or Redis is not back yet
+            assert time.monotonic() < deadline, "the lost settle was not sent again: its lease holds the slot"
+        await asyncio.sleep(0.1)
+    record = await KeyStore(admin).get(created.id)
+    assert (record.prompt_tokens, record.completion_tokens, record.num_requests) == (5, 7, 1)
+    await admin.aclose()
