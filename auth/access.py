@@ -34,7 +34,7 @@ import hmac
 import logging
 import math
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -544,15 +544,7 @@ class RedisAccess:
                 try:
                     scripts.settled_flags(await reply, self._scripts)
                 except NoScriptError:  # Redis restarted or was flushed: register and send the batch again
-                    await scripts.settle_requests(
-                        self._pipe,
-                        key_id=batch.key_id,
-                        items=batch.items,
-                        window_ms=self._window_ms,
-                        marker_ttl_ms=_MARKER_TTL_MS,
-                        usage_retention_s=_USAGE_RETENTION_S,
-                        scripts=self._scripts,
-                    )
+                    await self._settle_now(batch.key_id, batch.items)
                 except (TimeoutError, RedisError, OSError) as exc:
                     raise scripts.classify_failure(exc, self._scripts.settle) from exc
             except ScriptError as error:
@@ -572,15 +564,7 @@ class RedisAccess:
         for start in range(0, len(items), _MAX_SETTLE_BATCH):
             try:
                 try:
-                    await scripts.settle_requests(
-                        self._pipe,
-                        key_id=key_id,
-                        items=items[start : start + _MAX_SETTLE_BATCH],
-                        window_ms=self._window_ms,
-                        marker_ttl_ms=_MARKER_TTL_MS,
-                        usage_retention_s=_USAGE_RETENTION_S,
-                        scripts=self._scripts,
-                    )
+                    await self._settle_now(key_id, items[start : start + _MAX_SETTLE_BATCH])
                 except (TimeoutError, RedisError, OSError) as exc:
                     raise scripts.classify_failure(exc, self._scripts.settle) from exc
             except ScriptError as error:
@@ -588,3 +572,15 @@ class RedisAccess:
             except StorageError as exc:
                 await self.note_failure("settle", exc)
                 raise
+
+    async def _settle_now(self, key_id: str, items: Sequence[scripts.SettleItem]) -> None:
+        """One script call settling `items` of one key, outside the batching pipe's queue."""
+        await scripts.settle_requests(
+            self._pipe,
+            key_id=key_id,
+            items=items,
+            window_ms=self._window_ms,
+            marker_ttl_ms=_MARKER_TTL_MS,
+            usage_retention_s=_USAGE_RETENTION_S,
+            scripts=self._scripts,
+        )
