@@ -22,9 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from typing import Any
 
-import orjson
 from starlette.requests import Request
 
 from auth.base import AccessControl, Admission, SettleUsage, UpstreamLease, UpstreamLimiter, extract_credential
@@ -32,6 +30,7 @@ from backends.base import FORWARDED_HEADERS, Endpoint, Json
 from backends.wire import usage_count
 from gateway.disconnect import unless_disconnected
 from gateway.errors import GatewayError, InvalidRequestError, UpstreamTimeoutError, upstream_malformed
+from gateway.estimates import CHARS_PER_TOKEN, answer_chars, estimate_prompt_tokens, has_counts
 from gateway.metrics import GatewayMetrics
 from gateway.normalize import normalize_chunk, normalize_response
 from gateway.output_limits import (
@@ -46,13 +45,11 @@ from gateway.routing_config import PricingConfig
 from gateway.settings import Settings
 from gateway.validate import count_prompts
 
-__all__ = ["Call", "estimate_prompt_tokens", "open_call", "request_id_of", "serves_natively"]
+__all__ = ["Call", "open_call", "request_id_of", "serves_natively"]
 
 logger = logging.getLogger("unigate.pipeline")
 
 _USAGE_ENDPOINTS = ("chat/completions", "completions")
-_CHARS_PER_TOKEN = 4
-_IMAGE_CHARS = 765 * _CHARS_PER_TOKEN  # a typical image's prompt cost, so base64 bytes are not counted as text
 _MIN_REPORTED_WAIT_S = 0.05  # a shorter wait for an upstream slot is not worth a sentence in a 504's message
 
 
@@ -182,8 +179,8 @@ class Call:
         usage = data.get("usage")
         self._usage = usage if isinstance(usage, dict) else None
         self._is_answered = True
-        if not _has_counts(self._usage):
-            self._num_completion_chars = _answer_chars(data)  # charged as an estimate: see `_begin_settle`
+        if not has_counts(self._usage):
+            self._num_completion_chars = answer_chars(data)  # charged as an estimate: see `_begin_settle`
         await self._finish()
         return data
 
@@ -398,11 +395,11 @@ class Call:
             )
         num_completion = usage_count(usage.get("completion_tokens", usage.get("output_tokens")))
         has_run = self._is_answered or (self._first is None and self._upstream is not None)
-        if has_run and not _has_counts(usage):
+        if has_run and not has_counts(usage):
             # An answer (or a stream, perhaps cut short) without prompt/completion counts: charge what we can
             # estimate — its total when it gave one, split prompt-first.
             num_prompt = self._num_prompt_tokens
-            num_completion = -(-self._num_completion_chars // _CHARS_PER_TOKEN)
+            num_completion = -(-self._num_completion_chars // CHARS_PER_TOKEN)
             if "total_tokens" in usage:
                 num_total = usage_count(usage["total_tokens"])
                 num_prompt = min(num_prompt, num_total)
@@ -466,69 +463,6 @@ def serves_natively(request: Request, model: str, endpoint: Endpoint) -> bool:
     return target is not None and all(d.backend.supports(endpoint) for d in target.route.deployments)
 
 
-def estimate_prompt_tokens(endpoint: Endpoint, body: Json) -> int:
-    """A cheap upper-ish estimate (characters / 4) used to reserve tokens before the real count is known.
-
-    Any body shape is safe here (fields of the wrong type count as nothing) and the work is bounded: see
-    `_content_chars`."""
-    if endpoint in ("chat/completions", "messages", "messages/count_tokens"):
-        messages = body.get("messages")
-        num_chars = sum(_content_chars(m.get("content")) for m in _as_list(messages) if isinstance(m, dict))
-        num_chars += _content_chars(body.get("system"))
-    elif endpoint == "responses":
-        num_chars = _content_chars(body.get("input")) + _content_chars(body.get("instructions"))
-    else:
-        num_chars = _content_chars(body.get("prompt") if endpoint == "completions" else body.get("input"))
-    return num_chars // _CHARS_PER_TOKEN + 1
-
-
-_MAX_ESTIMATE_DEPTH = 32  # list nesting the estimate walks into; deeper content counts as nothing
-_MAX_ESTIMATE_PARTS = 1_000_000  # parts the estimate looks at in one content; the rest count a token each
-
-
-def _as_list(value: Any) -> list[Any]:
-    return value if isinstance(value, list) else []
-
-
-def _content_chars(content: Any) -> int:
-    """Characters in a content: a string, or a list of strings, token ids (a token each), text-bearing parts
-    (`text` or `content`), images / audio (a fixed cost) and such lists, nested.
-
-    Iterative (an explicit stack, at most `_MAX_ESTIMATE_DEPTH` deep) and looking at no more than
-    `_MAX_ESTIMATE_PARTS` parts, so no body can exhaust the stack or hold the event loop for long."""
-    if isinstance(content, str):
-        return len(content)
-    total = 0
-    num_parts = 0
-    stack: list[tuple[list[Any], int]] = [(content, 1)] if isinstance(content, list) else []
-    while stack:
-        parts, depth = stack.pop()
-        budget = _MAX_ESTIMATE_PARTS - num_parts
-        if len(parts) > budget:
-            total += (len(parts) - max(budget, 0)) * _CHARS_PER_TOKEN
-            parts = parts[: max(budget, 0)]
-        num_parts += len(parts)
-        for part in parts:
-            if isinstance(part, str):
-                total += len(part)
-            elif isinstance(part, int):
-                total += _CHARS_PER_TOKEN  # a token id
-            elif isinstance(part, list):
-                if depth < _MAX_ESTIMATE_DEPTH:
-                    stack.append((part, depth + 1))
-            elif isinstance(part, dict):
-                kind = part.get("type")
-                if isinstance(kind, str) and ("image" in kind or "audio" in kind):
-                    total += _IMAGE_CHARS
-                    continue
-                inner = part.get("text") or part.get("content")
-                if isinstance(inner, str):
-                    total += len(inner)
-                elif isinstance(inner, list) and depth < _MAX_ESTIMATE_DEPTH:
-                    stack.append((inner, depth + 1))
-    return total
-
-
 def _wants_usage(body: Json) -> bool:
     options = body.get("stream_options")
     return isinstance(options, dict) and options.get("include_usage") is True
@@ -537,38 +471,3 @@ def _wants_usage(body: Json) -> bool:
 def _num_choices(body: Json) -> int:
     n = body.get("n")
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
-
-
-_COUNT_FIELDS = ("prompt_tokens", "completion_tokens", "input_tokens", "output_tokens")
-_ANSWER_FIELDS = frozenset(
-    {"choices", "message", "content", "text", "refusal", "thinking", "tool_calls", "function", "arguments", "output"}
-)
-
-
-def _has_counts(usage: Json | None) -> bool:
-    """Whether a usage object reports prompt or completion tokens as numbers (in any family's names)."""
-    if usage is None:
-        return False
-    return any(
-        isinstance(usage.get(name), int | float) and not isinstance(usage.get(name), bool) for name in _COUNT_FIELDS
-    )
-
-
-def _answer_chars(data: Json) -> int:
-    """Characters of generated text and tool arguments in a non-streaming answer of any family (chat/completions
-    `choices`, Anthropic `content`, Responses `output`), for charging one that reported no usage."""
-    total = 0
-    stack: list[tuple[Any, int]] = [(data, 0)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, str):
-            total += len(value)
-        elif isinstance(value, dict):
-            for name, inner in value.items():
-                if name == "input" and value.get("type") == "tool_use":  # Anthropic tool arguments, as JSON
-                    total += len(orjson.dumps(inner)) if depth < _MAX_ESTIMATE_DEPTH else 0
-                elif name in _ANSWER_FIELDS and depth < _MAX_ESTIMATE_DEPTH:
-                    stack.append((inner, depth + 1))
-        elif isinstance(value, list) and depth < _MAX_ESTIMATE_DEPTH:
-            stack.extend((inner, depth + 1) for inner in value[:_MAX_ESTIMATE_PARTS])
-    return total

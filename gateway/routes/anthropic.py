@@ -15,7 +15,8 @@ from starlette.routing import Route
 
 from backends.base import CountsPromptTokens, Endpoint, Json
 from gateway.errors import GatewayError, InvalidRequestError
-from gateway.pipeline import estimate_prompt_tokens, open_call, request_id_of, serves_natively
+from gateway.estimates import estimate_prompt_tokens
+from gateway.pipeline import open_call, request_id_of, serves_natively
 from gateway.router import Router
 from gateway.routes.openai import JSONBytesResponse, authenticate, forwarding, read_json_body
 from gateway.sse import EventStreamResponse, encode_event, encode_events

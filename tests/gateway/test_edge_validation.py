@@ -12,7 +12,7 @@ import pytest
 from fakes.app import AUTH, CHAT, asgi_client, build_app, single_model
 from fakes.upstream import FakeUpstream
 
-from gateway.pipeline import estimate_prompt_tokens
+from gateway.estimates import estimate_prompt_tokens
 from gateway.translate.anthropic import messages_to_chat
 
 DEEP = 990  # under orjson's 1024-level parse limit, over its 254-level write limit and Python's recursion limit
