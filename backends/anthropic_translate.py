@@ -13,7 +13,16 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from backends.base import Json
-from backends.wire import DropLog, aclose_source, content_text, dumps, new_id, parse_arguments, usage_count
+from backends.wire import (
+    DropLog,
+    aclose_source,
+    content_text,
+    dumps,
+    has_usage_count,
+    new_id,
+    parse_arguments,
+    usage_count,
+)
 from gateway.errors import BackendError, InvalidRequestError, UpstreamRateLimitedError, upstream_malformed
 
 __all__ = ["chat_to_messages", "error_from_event", "events_to_chat_chunks", "message_to_chat"]
@@ -271,12 +280,14 @@ def _index(event: Json) -> int:
     return index
 
 
+_ANTHROPIC_COUNTS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+
+
 def chat_usage(usage: Any) -> Json | None:
     """Chat usage counts cache reads and writes inside `prompt_tokens`; Anthropic counts them apart. None when the
     upstream gave no count as a number: the gateway then charges its estimate, never a made-up 0."""
     usage = usage if isinstance(usage, dict) else {}
-    counts = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
-    if not any(isinstance(usage.get(n), int | float) and not isinstance(usage.get(n), bool) for n in counts):
+    if not has_usage_count(usage, _ANTHROPIC_COUNTS):
         return None
     cache_read = usage_count(usage.get("cache_read_input_tokens"))
     cache_write = usage_count(usage.get("cache_creation_input_tokens"))

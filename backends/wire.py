@@ -14,7 +14,16 @@ import orjson
 
 from backends.base import Json
 
-__all__ = ["DropLog", "aclose_source", "content_text", "dumps", "new_id", "parse_arguments", "usage_count"]
+__all__ = [
+    "DropLog",
+    "aclose_source",
+    "content_text",
+    "dumps",
+    "has_usage_count",
+    "new_id",
+    "parse_arguments",
+    "usage_count",
+]
 
 logger = logging.getLogger("unigate.translate")
 
@@ -29,6 +38,11 @@ def dumps(value: Any) -> str:
 
 
 MAX_USAGE_COUNT = 2**40  # an upstream's usage figure is clamped to this (it cannot be trusted blindly)
+
+
+def has_usage_count(usage: Json, names: tuple[str, ...]) -> bool:
+    """Whether `usage` gives any of `names` as a number (not a string, a boolean or nothing)."""
+    return any(isinstance(usage.get(n), int | float) and not isinstance(usage.get(n), bool) for n in names)
 
 
 def usage_count(value: Any) -> int:

@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 
 from backends.base import Endpoint, Json
+from backends.wire import has_usage_count
 
 __all__ = ["CHARS_PER_TOKEN", "answer_chars", "estimate_prompt_tokens", "has_counts"]
 
@@ -87,11 +88,7 @@ _ANSWER_FIELDS = frozenset(
 
 def has_counts(usage: Json | None) -> bool:
     """Whether a usage object reports prompt or completion tokens as numbers (in any family's names)."""
-    if usage is None:
-        return False
-    return any(
-        isinstance(usage.get(name), int | float) and not isinstance(usage.get(name), bool) for name in _COUNT_FIELDS
-    )
+    return usage is not None and has_usage_count(usage, _COUNT_FIELDS)
 
 
 def answer_chars(data: Json) -> int:
