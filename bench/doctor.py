@@ -468,6 +468,7 @@ print(message.content[0].text)
 export ANTHROPIC_BASE_URL={root}
 export ANTHROPIC_AUTH_TOKEN="$UNIGATE_API_KEY"   # sent as Authorization: Bearer; or set ANTHROPIC_API_KEY instead
 export ANTHROPIC_MODEL={model}
+export ANTHROPIC_DEFAULT_HAIKU_MODEL={model}   # background tasks (older versions: ANTHROPIC_SMALL_FAST_MODEL)
 export CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1
 
 # Codex CLI: ~/.codex/config.toml (speaks the OpenAI Responses API; reads the key from UNIGATE_API_KEY)

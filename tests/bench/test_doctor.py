@@ -220,3 +220,28 @@ def test_the_printed_openai_snippet_works() -> None:
         reply = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "Hi"}])
         client.close()
     assert reply.choices[0].message.content
+
+
+def _claude_code_exports(text: str) -> dict[str, str]:
+    """`NAME -> value` of every `export ANTHROPIC_*` / `CLAUDE_CODE_*` line (comments dropped)."""
+    exports: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("export ANTHROPIC_") or line.startswith("export CLAUDE_CODE_"):
+            name, _, value = line.removeprefix("export ").partition("=")
+            exports[name] = value.split("#", 1)[0].strip()
+    return exports
+
+
+def test_printed_claude_code_variables_are_those_docs_clients_recommends() -> None:
+    """docs/clients.md's Claude Code block and `doctor --print-config` set the same variables (the doc's values are
+    placeholders; the printed ones are this gateway's)."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "clients.md").read_text()
+    block = doc.split("## Claude Code", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    documented = _claude_code_exports(block)
+    printed = _claude_code_exports(client_config("http://gw.example:8080", "smollm2", "sk-ug-k"))
+    assert "ANTHROPIC_DEFAULT_HAIKU_MODEL" in documented
+    assert sorted(printed) == sorted(documented)
+    assert printed["ANTHROPIC_MODEL"] == printed["ANTHROPIC_DEFAULT_HAIKU_MODEL"] == "smollm2"
+    assert printed["ANTHROPIC_BASE_URL"] == "http://gw.example:8080"
