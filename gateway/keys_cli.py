@@ -46,6 +46,24 @@ def _console() -> Console:
     return Console()  # built per use, so it sees the terminal (and COLUMNS) of this invocation
 
 
+def _tsv_cell(value: str) -> str:
+    return value.replace("\t", " ").replace("\r", " ").replace("\n", " ")
+
+
+def _print_rows(columns: tuple[str, ...], rows: list[list[str]], *, header: bool = True) -> None:
+    """A table on a terminal; otherwise (a pipe, a file) tab-separated lines with whole values: rich cuts columns
+    to the terminal's width, 80 when there is none, so a script would read `key_01…` instead of an id."""
+    if _console().is_terminal:
+        table = Table(*columns) if header else Table(show_header=False, box=None)
+        for row in rows:
+            table.add_row(*row)
+        _console().print(table)
+        return
+    lines = [columns] if header else []
+    for line in [*lines, *rows]:
+        typer.echo("\t".join(_tsv_cell(cell) for cell in line))
+
+
 def _fail(message: str) -> NoReturn:
     _console().print(f"[red]error:[/red] {message}", highlight=False)
     raise typer.Exit(1)
@@ -90,15 +108,25 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def _note(text: str) -> None:
+    """A line about the rows printed: below them on a terminal, on stderr otherwise (stdout stays all rows)."""
+    if _console().is_terminal:
+        _console().print(text, highlight=False)
+    else:
+        typer.echo(text, err=True)
+
+
 def _print_record(record: dict[str, Any], as_json: bool) -> None:
     if as_json:
         typer.echo(orjson.dumps(record, option=orjson.OPT_INDENT_2).decode())
         return
-    table = Table(show_header=False, box=None)
-    for name, value in record.items():
-        if name not in ("key", "object"):
-            table.add_row(f"[bold]{name}[/bold]", _cell(value))
-    _console().print(table)
+    rows = [[name, _cell(value)] for name, value in record.items() if name not in ("key", "object")]
+    if not _console().is_terminal:
+        _print_rows(("name", "value"), [*rows, *([["key", record["key"]]] if "key" in record else [])], header=False)
+        if "key" in record:
+            _note("the key is shown only now: store it safely")
+        return
+    _print_rows(("name", "value"), [[f"[bold]{name}[/bold]", value] for name, value in rows], header=False)
     if "key" in record:
         _console().print(
             f"\n[bold green]key[/bold green] (shown only now, store it safely): {record['key']}", highlight=False
@@ -167,15 +195,11 @@ def _print_usage(data: dict[str, Any], rows: list[dict[str, Any]], *, is_totals:
     )
     if is_totals:
         columns = columns[1:]
-    table = Table(*columns)
-    for row in rows:
-        table.add_row(*(_cell(row.get(column)) for column in columns))
-    _console().print(table)
+    _print_rows(columns, [[_cell(row.get(column)) for column in columns] for row in rows])
     if is_totals:
-        _console().print(
+        _note(
             f"total: {data['requests']} requests, {data['total_tokens']} tokens, ${data['spend_usd']:.6f} "
-            f"over {data['num_keys']} keys",
-            highlight=False,
+            f"over {data['num_keys']} keys"
         )
 
 
@@ -216,12 +240,9 @@ def list_(
     if as_json:
         typer.echo(orjson.dumps(page, option=orjson.OPT_INDENT_2).decode())
         return
-    table = Table(*_RECORD_COLUMNS)
-    for record in page["data"]:
-        table.add_row(*(_cell(record.get(column)) for column in _RECORD_COLUMNS))
-    _console().print(table)
+    _print_rows(_RECORD_COLUMNS, [[_cell(record.get(column)) for column in _RECORD_COLUMNS] for record in page["data"]])
     if page.get("has_more"):
-        _console().print(f"more: unigate keys list --after {page['last_id']}", highlight=False)
+        _note(f"more: unigate keys list --after {page['last_id']}")
 
 
 @keys_app.command("show")

@@ -138,3 +138,30 @@ def test_unreachable_gateway_is_a_clear_error() -> None:
         app, ["keys", "list", "--base-url", f"http://127.0.0.1:{_free_port()}", "--master-key", MASTER_KEY]
     )
     assert result.exit_code == 1 and "cannot reach the gateway" in result.output
+
+
+def test_piped_output_keeps_whole_values(base_url: str) -> None:
+    """Not on a terminal (a script's pipe, no COLUMNS): tab-separated lines with whole ids, not a table cut to 80
+    columns."""
+    app = typer.Typer()
+    register(app)
+    runner = CliRunner(env={"COLUMNS": None, "LINES": None})
+    common = ["--base-url", base_url, "--master-key", MASTER_KEY]
+    ids = []
+    for name in ("a-long-key-name-for-the-search-team", "b"):
+        created = runner.invoke(app, ["keys", "create", "--name", name, "--model", "openai/*", "--json", *common])
+        ids.append(orjson.loads(created.output)["id"])
+    listed = runner.invoke(app, ["keys", "list", *common])
+    assert listed.exit_code == 0, listed.output
+    header, *rows = listed.output.splitlines()
+    assert header.split("\t") == ["id", "name", "key_prefix", "models", "rpm", "tpm", "max_concurrent",
+                                  "token_budget", "budget_usd", "spend_usd", "revoked"]  # fmt: skip
+    assert [row.split("\t")[:2] for row in rows] == [[ids[0], "a-long-key-name-for-the-search-team"], [ids[1], "b"]]
+    assert all(len(row.split("\t")) == len(header.split("\t")) for row in rows)
+    paged = runner.invoke(app, ["keys", "list", "--limit", "1", *common])  # the next-page hint goes to stderr
+    assert paged.stdout.splitlines()[1].split("\t")[0] == ids[0] and len(paged.stdout.splitlines()) == 2
+    assert f"--after {ids[0]}" in paged.stderr
+    shown = runner.invoke(app, ["keys", "show", ids[0], *common])
+    assert f"id\t{ids[0]}" in shown.output.splitlines()
+    usage = runner.invoke(app, ["keys", "usage", *common])
+    assert usage.exit_code == 0 and usage.output.splitlines()[0].split("\t")[0] == "model"
