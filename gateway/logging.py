@@ -1,8 +1,14 @@
-"""Logging: one formatter per `log_format` (JSON lines or console), with the request id on every record."""
+"""Logging: one formatter per `log_format` (JSON lines or console), with the request id on every record.
+
+Log lines cannot be forged: a request path, header or body that reaches a message may hold CR/LF or terminal
+escapes. JSON lines escape them by construction; the console format writes every control character (and the
+backslash, so an escape cannot be faked) as a visible escape, and marks each line of a traceback with `  | `.
+"""
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from contextvars import ContextVar
@@ -48,11 +54,39 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(entry, default=str).decode()
 
 
+# C0 and C1 control characters, DEL, the Unicode line and paragraph separators, and the backslash itself.
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\\]")
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\"}
+_TRACEBACK_MARK = "  | "  # starts every line of a record's exception text: none reads as a record of its own
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    char = match.group()
+    return _ESCAPES.get(char) or (f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}")
+
+
+def _escape(text: str) -> str:
+    """`text` with control characters as visible escapes (`\\n`, `\\x1b`, `\\\\`): always one line."""
+    return _UNSAFE.sub(_escape_char, text) if _UNSAFE.search(text) else text
+
+
 class _ConsoleFormatter(logging.Formatter):
+    """`time level logger: message [request id]`, one line per record (plus the marked lines of a traceback)."""
+
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+        record.message = _escape(record.getMessage())
+        if self.usesTime():
+            record.asctime = self.formatTime(record, self.datefmt)
+        line = self.formatMessage(record)
         request_id = getattr(record, "request_id", None)
-        return f"{line} [{request_id}]" if request_id else line
+        if request_id:
+            line = f"{line} [{_escape(str(request_id))}]"
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        for text in (record.exc_text, record.stack_info and self.formatStack(record.stack_info)):
+            if text:
+                line += "".join(f"\n{_TRACEBACK_MARK}{_escape(part)}" for part in text.splitlines())
+        return line
 
 
 def configure_logging(level: str = "info", log_format: str = "console") -> None:
