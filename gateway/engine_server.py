@@ -25,6 +25,7 @@ error's status and headers) before a stream starts, a `data:` event in the middl
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 import orjson
 import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
     from backends.local import LocalBackend
 
 __all__ = ["create_engine_app", "error_payload", "serve_engine"]
+
+logger = logging.getLogger("unigate.engine")
 
 _OPEN_KEY = "sk-ug-engine-open"
 _ENDPOINTS = frozenset({"chat/completions", "completions"})
@@ -169,6 +172,8 @@ class _EngineProtocol:
             try:
                 return await handler(request)
             except GatewayError as error:
+                if isinstance(error, ClientDisconnectedError):
+                    logger.info("client disconnected before the response: %s %s", request.method, request.url.path)
                 return _error_response(error)
             finally:
                 request_id_var.reset(token)
@@ -231,6 +236,8 @@ def _endpoint(request: Request) -> Any:
 async def _body(request: Request) -> dict[str, Any]:
     try:
         body = orjson.loads(await request.body())
+    except ClientDisconnect:
+        raise ClientDisconnectedError("The worker closed the connection while sending the body.") from None
     except orjson.JSONDecodeError as exc:
         raise InvalidRequestError(f"The body is not JSON ({exc.msg}).", code="invalid_json") from None
     if not isinstance(body, dict):
@@ -238,9 +245,16 @@ async def _body(request: Request) -> dict[str, Any]:
     return body
 
 
+class _Unsent(Response):
+    """The answer to a caller that went away: nothing is sent on the gone connection."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        return None
+
+
 def _error_response(error: GatewayError) -> Response:
     if isinstance(error, ClientDisconnectedError):
-        return Response(status_code=error.status_code)  # nobody reads it
+        return _Unsent(status_code=error.status_code)
     return JSONBytesResponse(error_payload(error), status_code=error.status_code, headers=error.headers)
 
 

@@ -159,8 +159,9 @@ class EngineError(GatewayError):
 
 
 class ClientDisconnectedError(GatewayError):
-    """The client closed the connection before the response started; the upstream call was cancelled. 499 is
-    nginx's "client closed request": nobody receives it, but logs and metrics count it apart from failures."""
+    """The client closed the connection before the response started (while sending its body, or while the gateway
+    waited for an upstream, whose call is then cancelled). 499 is nginx's "client closed request": nothing is sent,
+    but logs and metrics count it apart from failures."""
 
     status_code = 499
     type = "client_disconnected"

@@ -1,16 +1,20 @@
 """The one place errors become responses: any `GatewayError` in its route family's envelope (Anthropic shape
-under /v1/messages, OpenAI shape elsewhere); any other exception → 500 `internal_error`, no traceback leaked."""
+under /v1/messages, OpenAI shape elsewhere); any other exception → 500 `internal_error`, no traceback leaked.
+
+A client that went away (Starlette's `ClientDisconnect` while its body was read, or `ClientDisconnectedError` while
+the gateway waited for an upstream) is answered with nothing, since nobody would read it: one log line, the
+`client_disconnected` error count, and status 499 in the request metrics (`state["client_disconnected"]`)."""
 
 from __future__ import annotations
 
 import logging
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import GatewayError, NotFoundError, render_anthropic, render_openai
+from gateway.errors import ClientDisconnectedError, GatewayError, NotFoundError, render_anthropic, render_openai
 from gateway.metrics import GatewayMetrics
 from gateway.translate.anthropic_meta import anthropic_headers
 
@@ -70,6 +74,8 @@ class ErrorMiddleware:
 
         try:
             await self.app(scope, receive, send_tracking)
+        except (ClientDisconnect, ClientDisconnectedError):
+            self._client_gone(scope, is_started)
         except GatewayError as error:
             self.metrics.errors.labels(error.code).inc()
             if is_started:
@@ -88,3 +94,9 @@ class ErrorMiddleware:
                 code="internal_error",
             )
             await error_response(scope, internal)(scope, receive, send)
+
+    def _client_gone(self, scope: Scope, is_started: bool) -> None:
+        self.metrics.errors.labels(ClientDisconnectedError.code).inc()
+        scope.setdefault("state", {})["client_disconnected"] = True
+        when = "after the response started" if is_started else "before the response"
+        logger.info("client disconnected %s: %s %s", when, scope["method"], scope["path"])

@@ -10,6 +10,7 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.errors import ClientDisconnectedError
 from gateway.metrics import GatewayMetrics
 
 __all__ = ["MetricsMiddleware"]
@@ -31,7 +32,7 @@ class MetricsMiddleware:
         started = time.perf_counter()
         state = scope.setdefault("state", {})
         state["started_at"] = started
-        status = 500
+        status = 0  # until a response starts
 
         async def send_with_status(message: Message) -> None:
             nonlocal status
@@ -44,6 +45,8 @@ class MetricsMiddleware:
             await self.app(scope, receive, send_with_status)
         finally:
             self.metrics.in_flight.dec()
+            if not status:  # no response: the client left (499, as nginx counts it), else the app failed
+                status = ClientDisconnectedError.status_code if state.get("client_disconnected") else 500
             elapsed = time.perf_counter() - started
             route = scope.get("route")
             # The route template, never the raw path: unknown paths must not create unbounded label values.
