@@ -38,3 +38,13 @@ def test_the_doc_the_compose_file_cites_exists() -> None:
     assert cited, "the compose file should point at the routing file's documentation"
     assert [path for path in sorted(cited) if not (ROOT / path).is_file()] == []
     assert yaml.safe_load(text)["services"]["gateway"]["environment"]["UNIGATE_PORT"] == "8080"
+
+
+def test_the_compose_command_ends_in_the_images_own() -> None:
+    """Compose replaces CMD (to pick up an optional routing file); what it finally runs is the image's command, as
+    PID 1 (`exec`), so SIGTERM still reaches uvicorn's graceful shutdown."""
+    cmd = re.search(r"^CMD \[(.*)\]$", DOCKERFILE, re.MULTILINE)
+    assert cmd is not None
+    image_command = " ".join(part.strip().strip('"') for part in cmd.group(1).split(","))
+    command = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["gateway"]["command"]
+    assert command[-1].rsplit(";", 1)[-1].strip() == f"exec {image_command}"
