@@ -112,6 +112,8 @@ def create_app(
         exception_handlers={HTTPException: http_exception_handler},
         lifespan=lifespan,
     )
+    # No slash redirect: it would point at whatever Host the client sent (middleware/path_normalize.py).
+    app.router.redirect_slashes = False
     app.state.settings = settings
     app.state.access = access
     app.state.upstream_limiter = upstream_limiter

@@ -164,17 +164,24 @@ def test_h11_fallback_also_answers_431(
 @pytest.mark.parametrize(
     ("path", "served"),
     [
-        ("/admin/keys/", "/admin/keys"),
-        ("/admin/keys//", "/admin/keys"),
         ("/chat/completions/", "/v1/chat/completions"),
         ("/v1/v1/models/", "/v1/models"),
-        ("/metrics/", "/metrics"),
         ("/", "/"),
         ("//", "/"),
     ],
 )
 def test_trailing_slashes_are_normalized_away(path: str, served: str) -> None:
     assert normalize_path(path) == served
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/admin/keys/", "/admin/keys//", "/admin/usage/", "/metrics/", "/health/live/", "/ui/", "/ui/api/session/"],
+)
+def test_paths_outside_v1_are_never_rewritten(path: str) -> None:
+    """docs/gateway.md, path tolerance: /health/*, /metrics, /admin/* and /ui/* are never rewritten (a trailing
+    slash there is not dropped either)."""
+    assert normalize_path(path) == path
 
 
 @pytest.fixture
@@ -187,11 +194,18 @@ def admin_server(redis_url: str, tmp_path: Path, gateway_server: Callable[..., T
     yield gateway_server(app, **protocol_options(MAX_HEADER_BYTES))
 
 
-@pytest.mark.parametrize("path", ["/admin/keys/", "/admin/keys//", "/admin/usage/"])
-def test_trailing_slash_is_answered_in_place_not_redirected(admin_server: ThreadedServer, path: str) -> None:
+@pytest.mark.parametrize("path", ["/admin/keys/", "/admin/keys//", "/admin/usage/", "/metrics/", "/health/live/"])
+def test_a_trailing_slash_outside_v1_is_a_404_never_a_rewrite_or_a_redirect(
+    admin_server: ThreadedServer, path: str
+) -> None:
+    """Never rewritten (no x-unigate-path-normalized) and never redirected (a redirect would point at whatever Host
+    the client sent): a 404 `not_found` in the envelope, for a caller with or without a key."""
     evil = {"host": "attacker.example"}
-    anonymous = httpx.get(f"{admin_server.url}{path}", headers=evil, follow_redirects=False)
-    assert anonymous.status_code == 401 and "location" not in anonymous.headers
-    admin = httpx.get(f"{admin_server.url}{path}", headers={**evil, **AUTH}, follow_redirects=False)
-    assert admin.status_code == 200, admin.text
-    assert "location" not in admin.headers and "attacker" not in admin.text
+    for headers in (evil, {**evil, **AUTH}):
+        response = httpx.get(f"{admin_server.url}{path}", headers=headers, follow_redirects=False)
+        assert response.status_code == 404, response.text
+        assert response.json()["error"]["code"] == "not_found"
+        assert "location" not in response.headers and "x-unigate-path-normalized" not in response.headers
+        assert "attacker" not in response.text
+    served = httpx.get(f"{admin_server.url}{path.rstrip('/')}", headers=AUTH, follow_redirects=False)
+    assert served.status_code == 200 and "x-unigate-path-normalized" not in served.headers

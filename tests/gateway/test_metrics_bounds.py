@@ -165,11 +165,15 @@ async def test_metrics_guard(
         assert TOKEN not in response.text and "unigate_" not in response.text
 
 
-async def test_the_guard_covers_the_trailing_slash_form_and_nothing_else(fake_upstream: FakeUpstream) -> None:
+async def test_the_guard_covers_metrics_only_and_the_trailing_slash_form_serves_nothing(
+    fake_upstream: FakeUpstream,
+) -> None:
     app = build_app(single_model(fake_upstream), metrics_token=TOKEN)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, client=OUTSIDE)
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
-            assert (await http.get("/metrics/")).status_code == 401
+            assert (await http.get("/metrics")).status_code == 401
+            slash = await http.get("/metrics/")  # never rewritten (docs/gateway.md): no route, no metrics
+            assert slash.status_code == 404 and "unigate_" not in slash.text
             assert (await http.get("/health/live")).status_code == 200
             assert (await http.post("/v1/chat/completions", json=CHAT, headers=AUTH)).status_code == 200
