@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import ClientDisconnectedError, GatewayError, NotFoundError, render_anthropic, render_openai
 from gateway.metrics import GatewayMetrics
+from gateway.routes.ui import SECURITY_HEADERS
 from gateway.translate.anthropic_meta import anthropic_headers
 
 __all__ = ["ErrorMiddleware", "error_response", "http_exception_handler"]
@@ -24,9 +25,15 @@ logger = logging.getLogger("unigate.errors")
 
 
 def error_response(scope: Scope, error: GatewayError) -> Response:
-    """`error` rendered in the envelope of the route family `scope` belongs to."""
+    """`error` rendered in the envelope of the route family `scope` belongs to; under `/ui` with the console's
+    security headers (docs/console.md: every `/ui` response carries them, errors raised before or outside the
+    console's handlers too: the body limit's 413, a 500, Starlette's 404/405)."""
     headers = dict(error.headers)
-    if scope.get("path", "").startswith("/v1/messages"):
+    path = scope.get("path", "")
+    if path == "/ui" or path.startswith("/ui/"):
+        headers = {**headers, **SECURITY_HEADERS}
+        headers.setdefault("cache-control", "no-store")
+    if path.startswith("/v1/messages"):
         body = render_anthropic(error)
         request_id = (scope.get("state") or {}).get("request_id")
         if request_id:
