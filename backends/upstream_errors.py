@@ -34,6 +34,7 @@ from gateway.errors import (
     GatewayError,
     InvalidRequestError,
     NotFoundError,
+    UpstreamOverloadedError,
     UpstreamRateLimitedError,
     UpstreamTimeoutError,
 )
@@ -85,10 +86,8 @@ class UpstreamErrors:
                 headers={"retry-after": wait},
             )
         if status == 529 or code == "overloaded_error":
-            return BackendError(
-                f"The upstream of deployment {self.name!r} is overloaded (HTTP {status}: {detail}). Retry later.",
-                code="upstream_overloaded",
-                status_code=503,
+            return UpstreamOverloadedError(
+                f"The upstream of deployment {self.name!r} is overloaded (HTTP {status}: {detail}). Retry later."
             )
         if status >= 500:
             return BackendError(

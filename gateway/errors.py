@@ -14,13 +14,15 @@
     ├── BackendError                  502 api_error (upstream_error, upstream_unreachable, upstream_malformed_response,
     │   │                                            upstream_auth_failed)
     │   ├── UpstreamTimeoutError      504 upstream_timeout
-    │   └── UpstreamRateLimitedError  429 upstream_rate_limited
+    │   ├── UpstreamRateLimitedError  429 upstream_rate_limited
+    │   └── UpstreamOverloadedError   503 upstream_overloaded (Anthropic's 529 / overloaded_error)
     ├── EngineError                   500 engine_error
     └── ClientDisconnectedError       499 client_disconnected (the client went away; nobody reads the response)
 
 Every class carries its HTTP status, OpenAI `type` and default `code`; raise with a message that tells the
-user what to do. Messages must never contain upstream keys, hostnames from config or tracebacks. Errors raised from
-more than one package have a constructor here (`upstream_malformed`).
+user what to do. Every 503 has the type `service_unavailable`, whichever class carries it (a 503 passed as
+`status_code` takes it too: docs/gateway.md, errors). Messages must never contain upstream keys, hostnames from
+config or tracebacks. Errors raised from more than one package have a constructor here (`upstream_malformed`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ __all__ = [
     "NotFoundError",
     "PermissionDeniedError",
     "UnavailableError",
+    "UpstreamOverloadedError",
     "UpstreamRateLimitedError",
     "UpstreamTimeoutError",
     "anthropic_error_type",
@@ -50,6 +53,9 @@ __all__ = [
     "render_openai",
     "upstream_malformed",
 ]
+
+
+_UNAVAILABLE_TYPE = "service_unavailable"  # the type of every 503
 
 
 class GatewayError(Exception):
@@ -72,6 +78,8 @@ class GatewayError(Exception):
             self.code = code
         if status_code is not None:
             self.status_code = status_code
+            if status_code == 503:
+                self.type = _UNAVAILABLE_TYPE
         self.param = param
         self.headers: dict[str, str] = dict(headers or {})
 
@@ -121,7 +129,7 @@ class BudgetExceededError(LimitError):
 
 class UnavailableError(GatewayError):
     status_code = 503
-    type = "service_unavailable"
+    type = _UNAVAILABLE_TYPE
     code = "service_unavailable"
 
 
@@ -150,6 +158,15 @@ class UpstreamRateLimitedError(BackendError):
     status_code = 429
     type = "rate_limit_error"
     code = "upstream_rate_limited"
+
+
+class UpstreamOverloadedError(BackendError):
+    """The upstream says it is overloaded (Anthropic's 529 or `overloaded_error`): worth a retry elsewhere, and it
+    counts toward the deployment's cooldown like any upstream failure."""
+
+    status_code = 503
+    type = _UNAVAILABLE_TYPE
+    code = "upstream_overloaded"
 
 
 class EngineError(GatewayError):

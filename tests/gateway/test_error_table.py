@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 import threading
 from typing import Any
@@ -16,6 +17,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from auth import scripts
+from gateway import errors
 from gateway.app import create_app
 from gateway.routing_config import parse_routing
 
@@ -150,10 +153,52 @@ async def test_upstream_failures_map_to_codes(
 ) -> None:
     fake_upstream.behave(behavior)
     error = assert_envelope(await post(fake_upstream), status, code, param="model" if status == 404 else None)
+    assert error["type"] == TYPE_OF_STATUS[status]  # docs/gateway.md: "the `type` of each status"
     if code == "upstream_auth_failed":
         assert "not about your API key" in error["message"]
     if behavior.mode == "html":
         assert "HTML" in error["message"]
+
+
+# docs/gateway.md, errors: "The `type` of each status".
+TYPE_OF_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    503: "service_unavailable",
+    504: "api_error",
+}
+
+
+def all_error_classes() -> list[type[errors.GatewayError]]:
+    found: list[type[errors.GatewayError]] = []
+    pending: list[type[errors.GatewayError]] = [errors.GatewayError]
+    while pending:
+        cls = pending.pop()
+        found.append(cls)
+        pending.extend(cls.__subclasses__())
+    return found
+
+
+def test_every_503_is_service_unavailable_whatever_the_class() -> None:
+    """The rule "status 503 ⇒ type service_unavailable" for every error class: its own status, and a 503 passed in
+    (an upstream's 529, an Anthropic `overloaded_error` event, an engine process's 503)."""
+    classes = all_error_classes()
+    assert {errors.UpstreamOverloadedError, errors.EngineLoadingError, scripts.StorageError} <= set(classes)
+    for cls in classes:
+        if "status_code" not in inspect.signature(cls).parameters:
+            assert cls.status_code != 503, cls  # (auth.scripts.ScriptError: always 500 internal_error)
+            continue
+        if cls.status_code == 503:
+            assert cls("x").type == "service_unavailable", cls
+        assert cls("x", status_code=503).type == "service_unavailable", cls
+        assert cls("x", status_code=503).to_dict()["error"]["type"] == "service_unavailable", cls
+    for cls in (errors.BackendError, errors.EngineError, errors.GatewayError):
+        assert cls("x", status_code=502).type == "api_error"  # only a 503 changes the type
 
 
 async def test_upstream_429_passes_retry_after(fake_upstream: FakeUpstream) -> None:
