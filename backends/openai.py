@@ -79,5 +79,9 @@ class OpenAIBackend:
     async def check_health(self) -> bool:
         return await self._upstream.check_health()
 
+    async def list_models(self, *, max_ids: int) -> list[str]:
+        """The upstream's model ids (`GET /models`), for what a wildcard route lists (`gateway.wildcard_models`)."""
+        return await self._upstream.list_models(max_ids=max_ids)
+
     async def aclose(self) -> None:
         await self._upstream.aclose()

@@ -37,6 +37,8 @@ __all__ = ["Dialect", "UpstreamClient", "encode_body"]
 
 _HEALTH_TIMEOUT_S = 3.0
 _MAX_ERROR_BODY = 64 * 1024  # an error answer is read only as far as its message needs
+_MAX_MODEL_LIST_BYTES = 8 * 1024 * 1024  # a provider's whole catalogue with descriptions fits (~1-2 MB today)
+_MAX_MODEL_ID_CHARS = 256
 
 
 class Dialect(Protocol):
@@ -166,6 +168,29 @@ class UpstreamClient:
                     return response.status < 300 or 400 <= response.status < 500
         except (TimeoutError, aiohttp.ClientError):
             return False
+
+    async def list_models(self, *, max_ids: int) -> list[str]:
+        """The model ids of the upstream's `GET /models` (`{"data": [{"id": ...}, ...]}`), in its order, at most
+        `max_ids` of them; the body is read up to `_MAX_MODEL_LIST_BYTES`. Failures are the gateway's errors, as for
+        a request (a redirect is not followed); the caller bounds the time."""
+        try:
+            async with self._client().get("models", allow_redirects=False, timeout=self._send_timeout) as response:
+                if response.status >= 300:
+                    raise self.errors.status(response.status, await self._read_body(response), response.headers)
+                content, is_whole = await _read_capped(response, _MAX_MODEL_LIST_BYTES)
+                content_type = response.headers.get("content-type", "")
+        except TimeoutError:
+            raise self.errors.timeout() from None
+        except aiohttp.ClientError as exc:
+            raise self.errors.transport(exc) from None
+        if not is_whole:
+            raise upstream_malformed(f"the model list is larger than {_MAX_MODEL_LIST_BYTES} bytes")
+        entries = self._parse_json(content, content_type).get("data")
+        if not isinstance(entries, list):
+            raise upstream_malformed("the model list has no `data` list")
+        ids = (entry.get("id") for entry in entries if isinstance(entry, dict))
+        valid = [i for i in ids if isinstance(i, str) and 0 < len(i) <= _MAX_MODEL_ID_CHARS and i.isprintable()]
+        return list(dict.fromkeys(valid))[:max_ids]
 
     async def aclose(self) -> None:
         if self._session is not None:

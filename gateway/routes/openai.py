@@ -23,9 +23,11 @@ from gateway.disconnect import watch_disconnect
 from gateway.errors import InvalidRequestError
 from gateway.pipeline import Call, open_call
 from gateway.router import ModelRoute, Router
+from gateway.settings import Settings
 from gateway.sse import DONE, EventStreamResponse, encode_data
 from gateway.translate.anthropic_meta import anthropic_model_list
 from gateway.validate import check_chat, check_completions, require_model
+from gateway.wildcard_models import WildcardModels
 
 __all__ = ["JSONBytesResponse", "authenticate", "forwarding", "openai_routes", "read_json_body", "require_model"]
 
@@ -204,14 +206,32 @@ def _model_object(route: ModelRoute, created: int) -> Json:
     return model
 
 
+def _wildcard_models(request: Request) -> WildcardModels:
+    """The app's cache of what wildcard routes serve (made on first use: it lives as long as the app)."""
+    state = request.app.state
+    catalog: WildcardModels | None = getattr(state, "wildcard_models", None)
+    if catalog is None:
+        settings: Settings = state.settings
+        catalog = state.wildcard_models = WildcardModels(timeout_s=settings.health_probe_timeout_s)
+    return catalog
+
+
 async def list_models(request: Request) -> Response:
+    """The models the caller may use: model ids, then what each wildcard route's upstreams list under its prefix
+    (`gateway.wildcard_models`: cached, and left out while an upstream does not answer)."""
     router: Router = request.app.state.router
     principal = await authenticate(request)
     created = int(request.app.state.started_at)
     visible = [route for route in router.routes if not route.config.is_wildcard and principal.may_use(route.id)]
+    wildcard_ids = [i for i in await _wildcard_models(request).public_ids(router) if principal.may_use(i)]
     if "anthropic-version" in request.headers:  # Anthropic SDKs / Claude Code model pickers
-        return JSONBytesResponse(anthropic_model_list([route.id for route in visible], created=created))
-    return JSONBytesResponse({"object": "list", "data": [_model_object(route, created) for route in visible]})
+        ids = [route.id for route in visible] + wildcard_ids
+        return JSONBytesResponse(anthropic_model_list(ids, created=created))
+    data = [_model_object(route, created) for route in visible]
+    data += [
+        {"id": i, "object": "model", "created": created, "owned_by": "unigate", "aliases": []} for i in wildcard_ids
+    ]
+    return JSONBytesResponse({"object": "list", "data": data})
 
 
 async def get_model(request: Request) -> Response:

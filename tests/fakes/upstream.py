@@ -8,6 +8,8 @@ can break the protocol on purpose (drop the connection, cut a chunked stream, se
     upstream.behave(mode="slow", ttft_s=0.2)   # the default behaviour for every following request
     upstream.queue(Behavior(mode="status", status=500), Behavior())  # one-shot behaviours, used first, in order
     upstream.requests                          # [RecordedRequest(method, path, headers, body)] in arrival order
+    upstream.model_ids = ["gpt-x", "gpt-y"]    # what GET /v1/models lists (default ["fake"])
+    upstream.models_behavior = Behavior(mode="status", status=500)  # GET /v1/models: status | html | hang
     upstream.num_open_streams                  # streams being written right now
     upstream.num_streams_aborted               # streams whose client closed the connection before the end
     upstream.stop()
@@ -112,6 +114,8 @@ class FakeUpstream:
         self.port = port
         self.default = Behavior()
         self.requests: list[RecordedRequest] = []
+        self.model_ids: list[str] = ["fake"]
+        self.models_behavior: Behavior | None = None  # GET /v1/models: None = the list; `status`, `html`, `hang`
         self.num_open_streams = 0
         self.num_streams_aborted = 0
         self.num_streams_completed = 0
@@ -144,6 +148,7 @@ class FakeUpstream:
             self._queue.clear()
             self.requests.clear()
         self.default = Behavior()
+        self.model_ids, self.models_behavior = ["fake"], None
         self.num_streams_aborted = self.num_streams_completed = 0
         self.client_gone.clear()
 
@@ -229,7 +234,17 @@ class FakeUpstream:
             if self.default.mode == "redirect":
                 _write(writer, self.default.status, b"", extra_headers={"location": self.default.location})
                 return True
-            _write(writer, 200, orjson.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]}))
+            listing = self.models_behavior
+            if listing is not None and listing.mode == "status":
+                return self._write_status(writer, listing)
+            if listing is not None and listing.mode == "html":
+                _write(writer, 200, b"<html><body>Sign in</body></html>", content_type="text/html")
+                return True
+            if listing is not None and listing.mode == "hang":
+                await self._hold(reader, writer, listing, {}, "models")
+                return False
+            data = [{"id": model_id, "object": "model", "owned_by": "fake"} for model_id in self.model_ids]
+            _write(writer, 200, orjson.dumps({"object": "list", "data": data}))
             return True
         behavior = self._next_behavior()
         if behavior.ttft_s:

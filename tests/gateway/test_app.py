@@ -85,7 +85,7 @@ async def test_models_list_only_what_the_key_may_use(fake_upstream: FakeUpstream
     async with asgi_client(build_app(routing, access=access)) as client:
         everything = (await client.get("/v1/models", headers=AUTH)).json()
         assert everything["object"] == "list"
-        assert [m["id"] for m in everything["data"]] == ["gpt-test", "claude-x"]
+        assert [m["id"] for m in everything["data"]] == ["gpt-test", "claude-x", "openai/fake"]  # the upstream's
         assert everything["data"][0]["aliases"] == ["fast"]
         limited_auth = {"authorization": "Bearer sk-ug-limited"}
         limited = (await client.get("/v1/models", headers=limited_auth)).json()
