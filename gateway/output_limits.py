@@ -12,8 +12,9 @@ to the room left, when the deployment clamps (`clamp_max_tokens` in the routing 
 Either way the response carries `x-unigate-max-tokens-clamped: <requested> -> <served>` (`CLAMP_HEADER`) and a debug
 line is logged. A prompt that does not fit at all stays a 400 `context_length_exceeded`.
 
-Admission (`reserved_output_tokens`) reserves the request's output limit, or the deployments' default when it sets
-none, capped at the room its estimated prompt leaves when every deployment of the model clamps and knows its
+Admission (`reserved_output_tokens`) reserves the request's output limit, or the default it gets when it sets none
+(legacy completions: 16, OpenAI's default, which the local engine and vLLM keep too; otherwise the deployments'
+default), capped at the room its estimated prompt leaves when every deployment of the model clamps and knows its
 context: about what the call can really use. The settle trues it up to the usage reported.
 """
 
@@ -25,12 +26,13 @@ from typing import Any, cast
 
 import orjson
 
-from backends.base import MAX_TOKENS_CLAMPED_KEY, FitsOutput, Json, OutputLimits
+from backends.base import MAX_TOKENS_CLAMPED_KEY, Endpoint, FitsOutput, Json, OutputLimits
 from gateway.router import Deployment
 
 __all__ = [
     "CLAMP_BYTES_PER_TOKEN",
     "CLAMP_HEADER",
+    "COMPLETIONS_DEFAULT_MAX_TOKENS",
     "clamp_for_upstream",
     "clamp_header_value",
     "deployment_limits",
@@ -45,6 +47,9 @@ CLAMP_HEADER = "x-unigate-max-tokens-clamped"
 # Upstream prompts are estimated at this many bytes of JSON per token: fewer than any common tokenizer averages on
 # English, code or JSON schemas, so the estimate errs high and the lowered limit still fits.
 CLAMP_BYTES_PER_TOKEN = 3
+# The output limit of a legacy completions request without `max_tokens` (or with null): OpenAI's, vLLM's and the
+# local engine's (`local_engine.sampling_params`), whatever a deployment's `default_max_tokens` says.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # The output-limit fields of chat completions (either), legacy completions and Anthropic Messages, and Responses.
 _FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
@@ -82,14 +87,16 @@ def deployment_limits(deployment: Deployment) -> OutputLimits:
 
 
 def reserved_output_tokens(
-    deployments: Sequence[Deployment], body: Json, *, num_prompt_tokens: int, fallback: int
+    deployments: Sequence[Deployment], endpoint: Endpoint, body: Json, *, num_prompt_tokens: int, fallback: int
 ) -> int:
-    """The output tokens admission reserves for one choice (see the module docstring); `fallback` when the request
-    sets no limit and not every deployment has a default."""
+    """The output tokens admission reserves for one choice of `endpoint` (see the module docstring); `fallback` when
+    the request sets no limit and not every deployment has a default."""
     limits = [deployment_limits(d) for d in deployments]
     found = requested_max_tokens(body)
     if found is not None and found[1] > 0:
         num_tokens = found[1]
+    elif endpoint == "completions":
+        num_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     else:
         defaults = [limit.default_max_tokens for limit in limits if limit.default_max_tokens is not None]
         num_tokens = max(defaults) if defaults and len(defaults) == len(limits) else fallback

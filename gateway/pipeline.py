@@ -72,6 +72,7 @@ async def open_call(request: Request, *, endpoint: Endpoint, body: Json, model: 
         # Every one of n choices may use max_tokens (as far as the context lets it: gateway/output_limits.py).
         per_choice = reserved_output_tokens(
             target.route.deployments,
+            endpoint,
             body,
             num_prompt_tokens=num_prompt_tokens,
             fallback=settings.limits.default_max_tokens,

@@ -106,6 +106,28 @@ async def test_admission_reserves_the_room_the_context_leaves(fake_upstream: Fak
 
 
 @pytest.mark.parametrize(
+    ("fields", "num_completions"),
+    [({}, 1), ({"max_tokens": None}, 1), ({"n": 3}, 3), ({"prompt": ["Say hi", "Say yo"], "n": 2}, 4)],
+)
+async def test_a_completions_request_without_a_limit_reserves_the_16_tokens_it_can_produce(
+    fake_upstream: FakeUpstream, fields: dict[str, Any], num_completions: int
+) -> None:
+    """Legacy completions stop at 16 tokens when the request sets no `max_tokens` (OpenAI's default, vLLM's and the
+    local engine's): admission reserves 16 per completion (n × prompts), not the 1024 of chat, messages and
+    responses."""
+    access = ReservingAccess()
+    async with asgi_client(build_app(routing(fake_upstream), access=access)) as client:
+        body = {"model": "gpt-test", "prompt": "Say hi", **fields}
+        assert (await client.post("/v1/completions", json=body, headers=AUTH)).status_code == 200
+        chat = {"model": "gpt-test", "messages": [{"role": "user", "content": "Say hi"}]}
+        assert (await client.post("/v1/chat/completions", json=chat, headers=AUTH)).status_code == 200
+    prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+    estimate = len("".join(prompts)) // 4 + 1  # the gateway's admission estimate (characters / 4)
+    assert access.reserved == [estimate + 16 * num_completions, len("Say hi") // 4 + 1 + 1024]
+    assert "max_tokens" not in fake_upstream.requests[0].body or fake_upstream.requests[0].body["max_tokens"] is None
+
+
+@pytest.mark.parametrize(
     ("fields", "message"),
     [
         ({"clamp_max_tokens": True}, "needs the upstream model's `context_length`"),
