@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,29 @@ def test_the_docs_have_runnable_examples_for_every_client_surface() -> None:
     for needle in ("curl ", "/v1/messages", "from openai import", "from anthropic import", "unigate keys", "doctor"):
         assert needle in sources, f"no runnable example uses {needle!r}"
     assert DOC_PATHS[0] in {Path(example.path) for example in EXAMPLES}  # README.md
+
+
+class ReadersShell(DocsGateway):
+    """The shell a reader has beside `make run`: the gateway's files (`.unigate/master_key`), no key exported."""
+
+    def environment(self) -> dict[str, str]:
+        env = super().environment()
+        for name in ("UNIGATE_API_KEY", "UNIGATE_MASTER_KEY", "KEY"):
+            del env[name]
+        return env
+
+
+CLIENT_TOOL_EXAMPLES = [e for e in EXAMPLES if "unigate bench" in str(e.parsed) or "unigate doctor" in str(e.parsed)]
+
+
+@pytest.mark.parametrize("example", [_param(example) for example in CLIENT_TOOL_EXAMPLES])
+def test_client_tool_examples_need_no_exported_key(example: Example, docs_gateway: DocsGateway) -> None:
+    """`unigate bench` and `doctor` examples pass their key: without one they get 401 unless the reader happened to
+    export `UNIGATE_API_KEY`."""
+    example.namespace["docs_gateway"] = ReadersShell(
+        **{f.name: getattr(docs_gateway, f.name) for f in fields(docs_gateway)}
+    )
+    example.evaluate()
 
 
 @pytest.mark.parametrize(
