@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from gateway import validate
+from gateway.errors import InvalidRequestError
 from gateway.metrics import KNOWN_ERROR_CODES
 from gateway.settings import Settings
 
@@ -228,3 +230,204 @@ def test_the_readme_is_a_front_door() -> None:
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_work_diary_in_the_docs(page: Path) -> None:
     assert _DIARY.findall(page.read_text()) == []
+
+
+# -- request-field ranges -------------------------------------------------------------------------------------------
+
+API_LIMITS = ROOT / "docs" / "api-limits.md"
+_FAMILY_CHECKS = {
+    "chat": (validate.check_chat, {"logprobs": True}),  # `top_logprobs` above 0 needs `logprobs: true`
+    "completions": (validate.check_completions, {}),
+    "messages": (validate.check_messages, {}),
+    "responses": (validate.check_responses, {}),
+}
+# A number as the range tables write it: `1024`, `0.5`, `−2^63`, `2^31 − 1` (U+2212 minus; `–` joins a range);
+# `above 0` excludes its 0.
+_RANGE_END = re.compile(
+    r"(?<![\w.^])(?P<above>above )?(?P<minus>−)?(?P<base>\d+(?:\.\d+)?)(?:\^(?P<power>\d+)(?:\s*−\s*(?P<less>\d+))?)?"
+)
+
+
+def range_ends(cell: str) -> list[tuple[int | float, bool]]:
+    """(value, is it allowed) for each number of an Allowed cell."""
+    ends: list[tuple[int | float, bool]] = []
+    for match in _RANGE_END.finditer(without_code(cell)):
+        base = float(match["base"]) if "." in match["base"] else int(match["base"])
+        value = base ** int(match["power"] or 1) - int(match["less"] or 0)
+        ends.append((-value if match["minus"] else value, match["above"] is None))
+    return ends
+
+
+def field_rows() -> Iterator[tuple[list[str], list[str], str]]:
+    """(field names, families, Allowed cell) for each row of docs/api-limits.md's field table."""
+    text = API_LIMITS.read_text().split("\n## Fields\n", 1)[1].split("\n## ", 1)[0]
+    for header, cells in table_rows(text):
+        row = dict(zip(header, cells, strict=True))
+        families = re.findall(r"\b(chat|completions|messages|responses)\b", row["Families"])
+        if row["Families"].startswith("all"):
+            families = list(_FAMILY_CHECKS)
+        yield re.findall(r"`([a-z_]+)`", row["Field"]), families, row["Allowed"]
+
+
+def refusal(family: str, field: str, value: Any) -> str | None:
+    """None when the gateway's validator for `family` accepts `{field: value}`, else the error's code."""
+    check, base = _FAMILY_CHECKS[family]
+    try:
+        check({**base, field: value})
+    except InvalidRequestError as exc:
+        return exc.code
+    return None
+
+
+def range_cases(allowed: str) -> list[tuple[int | float, bool]]:
+    """The values an integer or number range cell decides: its ends, one step past each side (refused) and, for
+    integers, each allowed end written as a float (`2.0`: refused); [] for any other cell."""
+    kind = allowed.split()[0].rstrip(",:")
+    if kind not in ("integer", "number"):
+        return []
+    ends = range_ends(allowed)
+    low, high = min(value for value, _ in ends), max(value for value, _ in ends)
+    step = 1 if kind == "integer" else 0.5
+    cases = [*ends, (low - step, False), (high + step, False)]
+    if kind == "integer":
+        cases += [(float(value), False) for value, is_allowed in ends if is_allowed]
+    return cases
+
+
+def test_the_field_table_is_what_the_gateway_enforces() -> None:
+    """Each range of docs/api-limits.md's table, against gateway/validate.py for each family the row names; each
+    constant a row names has the value the row states."""
+    wrong = []
+    num_checked = 0
+    for fields, families, allowed in field_rows():
+        for name in re.findall(r"`(MAX_[A-Z_]+)`", allowed):
+            if getattr(validate, name, None) not in [value for value, _ in range_ends(allowed)]:
+                wrong.append(f"validate.{name} is {getattr(validate, name, None)}; the table says {allowed!r}")
+        for field in fields:
+            for family in families:
+                for value, is_allowed in range_cases(allowed):
+                    num_checked += 1
+                    if (refusal(family, field, value) is None) != is_allowed:
+                        wrong.append(f"{family} `{field}: {value!r}` is {'refused' if is_allowed else 'allowed'}")
+    assert num_checked >= 100, "the table's ranges were not found"
+    assert wrong == []
+
+
+def test_the_ranges_are_in_one_table() -> None:
+    """docs/api-limits.md holds the request-field ranges as the gateway enforces them; other pages link to it."""
+    tables = {
+        page.name
+        for page in PAGES
+        for header, _ in table_rows(page.read_text())
+        if header[:1] == ["Field"] and "Allowed" in header
+    }
+    assert tables == {"api-limits.md"}
+    engine_links = [target for target, _, _ in relative_links(ROOT / "docs" / "engine.md")]
+    assert "api-limits.md#fields" in engine_links
+
+
+def test_the_range_check_reads_the_cells() -> None:
+    assert range_ends("integer, −2^63 to 2^63 − 1") == [(-(2**63), True), (2**63 - 1, True)]
+    assert range_ends("number above 0, at most 10") == [(0, False), (10, True)]
+    assert range_cases("integer 1–128 (`MAX_N`)") == [
+        (1, True),
+        (128, True),
+        (0, False),
+        (129, False),
+        (1.0, False),
+        (128.0, False),
+    ]
+    assert range_cases("number 0–1") == [(0, True), (1, True), (-0.5, False), (1.5, False)]
+    assert range_cases("a string") == []
+
+
+# -- headline figures -----------------------------------------------------------------------------------------------
+
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+_FIGURE = re.compile(r"(?<![\w.,^])\d+(?:,\d{3})*(?:\.\d+)?")  # `1,134.1`, `0.81`; not the 4 of `int4` or `Q4_1`
+
+
+def figures(text: str) -> set[str]:
+    return {match.group().replace(",", "") for match in _FIGURE.finditer(text)}
+
+
+def sections(path: Path) -> dict[str, str]:
+    """Each heading's anchor → the text under it, up to the next heading (code blocks included: a run's table may be
+    a tool's output)."""
+    text = path.read_text()
+    fences = [match.span() for match in _FENCE.finditer(text)]
+    headings = [m for m in _HEADING.finditer(text) if not any(a <= m.start() < b for a, b in fences)]
+    found: dict[str, str] = {}
+    counts: dict[str, int] = {}
+    for heading, following in zip(headings, [*headings[1:], None], strict=True):
+        base = slug(heading.group(1))
+        number = counts.get(base, 0)
+        counts[base] = number + 1
+        found[base if number == 0 else f"{base}-{number}"] = text[
+            heading.end() : following.start() if following else None
+        ]
+    return found
+
+
+def headline_rows() -> Iterator[tuple[str, str, list[str]]]:
+    """(what, figures, RESULTS.md links) for each row of the README's headline table."""
+    text = README.read_text().split("\n## Headline figures\n", 1)[1].split("\n## ", 1)[0]
+    for header, cells in table_rows(text):
+        row = dict(zip(header, cells, strict=True))
+        links = [match.group(1) for match in _LINK.finditer(" ".join(cells))]
+        yield row["what"], row["figure"], [link for link in links if link.startswith("benchmarks/RESULTS.md")]
+
+
+def test_every_headline_figure_is_in_the_run_its_row_links() -> None:
+    """Each row of the README's headline table links one dated run in RESULTS.md, and quotes only figures that run
+    holds, written as it writes them (`252.4 MiB`, not a rounded `252 MiB`)."""
+    runs = sections(RESULTS)
+    rows = list(headline_rows())
+    wrong = []
+    for what, figure, links in rows:
+        anchors = [link.partition("#")[2] for link in links]
+        if len(anchors) != 1 or anchors[0] not in runs:
+            wrong.append(f"{what}: links {links}, not one heading of RESULTS.md")
+        elif missing := sorted(figures(figure) - figures(runs[anchors[0]])):
+            wrong.append(f"{what}: {missing} are not in the run it links")
+    assert len(rows) >= 5
+    assert wrong == []
+
+
+def test_the_figure_check_reads_numbers_and_runs() -> None:
+    assert figures("int4 (head int8) 214.4 MiB, 1,134.1 MiB, 0.81–1.76× on Q4_1, 2^20") == {
+        "214.4",
+        "1134.1",
+        "0.81",
+        "1.76",
+        "2",
+    }
+    runs = sections(RESULTS)
+    assert "2026-11-29-gateway-overhead-2-core-vm" in runs
+    assert "19169" in figures(runs["2026-11-29-gateway-overhead-2-core-vm"])  # inside the run's code block
+
+
+def test_every_headline_row_links_the_latest_run_of_its_kind() -> None:
+    """A run is superseded by a later one of the same kind: a heading opening with the same two words after its date
+    (`2026-12-03: gateway overhead after ...` supersedes `2026-11-29: gateway overhead (2-core VM)`)."""
+    runs = [re.match(r"(\d{4}-\d{2}-\d{2}): (\S+ \S+)", heading) for heading in _HEADING.findall(RESULTS.read_text())]
+    dated = [(slug(m.string), m.group(1), m.group(2).lower()) for m in runs if m is not None]
+    stale = []
+    for what, _, links in headline_rows():
+        for anchor in [link.partition("#")[2] for link in links]:
+            for _, date, kind in [run for run in dated if run[0] == anchor]:
+                later = [name for name, other, same in dated if same == kind and other > date]
+                if later:
+                    stale.append(f"{what}: {anchor} is superseded by {later}")
+    assert stale == []
+
+
+def test_the_quantization_table_quotes_the_run_it_links() -> None:
+    """docs/local-engine.md's table of weight formats (resident MiB, speed, agreement): every figure is in the run
+    linked right after it, so the `int4` row cannot keep a size from before its head went to int8."""
+    text = (ROOT / "docs" / "local-engine.md").read_text()
+    table = re.search(r"^\| weights \| resident weights \|.*?\n(?!\|)", text, re.MULTILINE | re.DOTALL)
+    assert table is not None
+    link = re.search(r"\]\(\.\./benchmarks/RESULTS\.md#([^)]+)\)", text[table.end() :])
+    assert link is not None and link.start() < 200, "no run linked right after the table"
+    assert sorted(figures(table.group()) - figures(sections(RESULTS)[link.group(1)])) == []
