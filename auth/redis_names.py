@@ -22,7 +22,9 @@ wake-up list) build it from a `*_prefix` below, which carries the same tag.
     ug:{health:<n>}                  string  /health/ready's write probe (expires after a minute); in a cluster
                                              one per primary, n chosen so that its slot lives there
     ug:session:<sha256 of id>        string  a console session: JSON {csrf, fingerprint, created} (expires with it)
-    ug:login:<client ip>             string  console login attempts in the current minute (expires after it)
+    ug:auth:<client ip>              string  console logins and failed master-key checks from one client address in
+                                             the current minute (expires after it)
+    ug:auth_peer:<peer ip>           string  the same, counted per trusted proxy for the clients it forwards
     ug:events                        pubsub  key-record changes: "<key id>" → drop cached copies (PUBLISH reaches
                                              every node of a cluster, so any node may be subscribed to)
 
@@ -38,6 +40,8 @@ __all__ = [
     "KEY_SEQUENCE",
     "MASTER_ID",
     "PREFIX",
+    "auth_attempts",
+    "auth_attempts_via_peer",
     "health_probe",
     "key_hash_name",
     "key_leases",
@@ -50,7 +54,6 @@ __all__ = [
     "key_usage_day",
     "key_usage_days",
     "key_usage_total",
-    "login_attempts",
     "session",
     "upstream_leases",
     "upstream_max",
@@ -118,8 +121,12 @@ def session(session_hash: str) -> str:
     return f"{PREFIX}session:{session_hash}"
 
 
-def login_attempts(client: str) -> str:
-    return f"{PREFIX}login:{client}"
+def auth_attempts(client: str) -> str:
+    return f"{PREFIX}auth:{client}"
+
+
+def auth_attempts_via_peer(peer: str) -> str:
+    return f"{PREFIX}auth_peer:{peer}"
 
 
 def upstream_prefix(deployment: str) -> str:

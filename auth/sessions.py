@@ -4,7 +4,11 @@ A session id is 256 random bits handed to the browser once (the cookie); Redis k
 of Redis holds nothing a browser could present. Each record carries the session's CSRF token and a fingerprint of
 the master key it was opened with (an HMAC keyed by that master key over the session id): when the master key
 changes, no session matches any more, on every instance at once. Logout deletes the record; the TTL ends it
-otherwise. Login attempts are counted per client address in fixed one-minute windows.
+otherwise.
+
+`AuthLimiter` counts what could guess the master key: console login attempts and failed master-key checks on the
+admin API, together, per client address in fixed one-minute windows (and per trusted proxy for the clients it
+forwards, with a higher limit, so rotating forwarded addresses cannot buy unlimited guesses).
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ from auth import redis_names
 from auth.redis_client import RedisClient, is_cluster
 from auth.scripts import as_text, storage_errors
 
-__all__ = ["LoginWindow", "Session", "SessionStore"]
+__all__ = ["AuthLimiter", "AuthWindow", "Session", "SessionStore"]
 
 _NUM_ID_BYTES = 32
-_LOGIN_WINDOW_S = 60
+_AUTH_WINDOW_S = 60
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,11 +39,11 @@ class Session:
 
 
 @dataclass(frozen=True, slots=True)
-class LoginWindow:
-    """Login attempts from one client address in the current minute."""
+class AuthWindow:
+    """Where one client stands in its current one-minute window of authentication attempts."""
 
-    num_attempts: int
-    retry_after_s: int  # seconds until the window ends
+    is_blocked: bool
+    retry_after_s: int  # seconds until the window that blocks it ends (0 when not blocked)
 
 
 def _hash(session_id: str) -> str:
@@ -89,18 +93,72 @@ class SessionStore:
         async with storage_errors():
             await self.redis.delete(redis_names.session(_hash(session_id)))
 
-    async def count_login(self, client: str) -> LoginWindow:
-        """Count one login attempt from `client` (an address) in its current one-minute window."""
-        name = redis_names.login_attempts(client)
+
+class AuthLimiter:
+    """Authentication attempts per client address in fixed one-minute windows, in Redis so every instance agrees.
+
+    A client whose address a trusted proxy forwarded (`peer` is that proxy, not the client) is also counted under
+    the proxy, against `max_per_peer_per_min`: a proxy that lets its clients name any address cannot give them
+    unlimited guesses, at the price that an attack through it can block everyone behind it for up to a minute.
+    """
+
+    def __init__(self, redis: RedisClient, *, max_per_min: int, max_per_peer_per_min: int) -> None:
+        self.redis = redis
+        self.max_per_min = max_per_min
+        self.max_per_peer_per_min = max_per_peer_per_min
+
+    def _windows(self, address: str, peer: str) -> list[tuple[str, int]]:
+        windows = [(redis_names.auth_attempts(address), self.max_per_min)]
+        if peer != address:
+            windows.append((redis_names.auth_attempts_via_peer(peer), self.max_per_peer_per_min))
+        return windows
+
+    async def check(self, address: str, peer: str) -> AuthWindow:
+        """May `address` (connected through `peer`) make one more attempt now? Counts nothing: one round trip of
+        GETs, and one more for the time left when it may not."""
+        windows = self._windows(address, peer)
         async with storage_errors():
-            # SET NX EX opens the window (works on Redis 6.2, unlike EXPIRE NX); INCR counts in it. In a cluster the
-            # three are not one transaction: a counter left without expiry (the window ended between them) gets one.
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for name, _ in windows:
+                    pipe.get(name)
+                counts = await pipe.execute()
+            full = [name for (name, limit), count in zip(windows, counts, strict=True) if int(count or 0) >= limit]
+            if not full:
+                return AuthWindow(is_blocked=False, retry_after_s=0)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for name in full:
+                    pipe.ttl(name)
+                ttls = [int(ttl) for ttl in await pipe.execute()]
+            await self._expire_unexpired(full, ttls)
+        return AuthWindow(is_blocked=True, retry_after_s=_seconds_left(ttls))
+
+    async def count(self, address: str, peer: str) -> AuthWindow:
+        """Count one attempt from `address` (through `peer`); blocked when that went over a limit."""
+        windows = self._windows(address, peer)
+        async with storage_errors():
+            # SET NX EX opens a window (works on Redis 6.2, unlike EXPIRE NX); INCR counts in it. In a cluster the
+            # address's and the proxy's counters live in different slots, so the commands are not one transaction.
             async with self.redis.pipeline(transaction=not is_cluster(self.redis)) as pipe:
-                pipe.set(name, 0, ex=_LOGIN_WINDOW_S, nx=True)
-                pipe.incr(name)
-                pipe.ttl(name)
-                _, count, ttl = await pipe.execute()
-            if int(ttl) < 0:
-                await self.redis.expire(name, _LOGIN_WINDOW_S)
-                ttl = _LOGIN_WINDOW_S
-        return LoginWindow(num_attempts=int(count), retry_after_s=max(int(ttl), 1))
+                for name, _ in windows:
+                    pipe.set(name, 0, ex=_AUTH_WINDOW_S, nx=True)
+                    pipe.incr(name)
+                    pipe.ttl(name)
+                replies = await pipe.execute()
+            counts = [int(count) for count in replies[1::3]]
+            ttls = [int(ttl) for ttl in replies[2::3]]
+            await self._expire_unexpired([name for name, _ in windows], ttls)
+        over = [ttl for (_, limit), count, ttl in zip(windows, counts, ttls, strict=True) if count > limit]
+        if not over:
+            return AuthWindow(is_blocked=False, retry_after_s=0)
+        return AuthWindow(is_blocked=True, retry_after_s=_seconds_left(over))
+
+    async def _expire_unexpired(self, names: list[str], ttls: list[int]) -> None:
+        # In a cluster the window can end between SET NX and INCR, leaving a counter without expiry: give it one.
+        for name, ttl in zip(names, ttls, strict=True):
+            if ttl == -1:
+                await self.redis.expire(name, _AUTH_WINDOW_S)
+
+
+def _seconds_left(ttls: list[int]) -> int:
+    """Seconds until the last of these windows ends (-1: no expiry yet, given a full window; -2: just ended)."""
+    return max(max(_AUTH_WINDOW_S if ttl == -1 else ttl for ttl in ttls), 1)

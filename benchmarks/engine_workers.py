@@ -30,7 +30,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIGATE = Path(sys.executable).with_name("unigate")
-MASTER_KEY = "sk-bench-master-key"
+MASTER_KEY = "sk-bench-master-key-0123456789abcdef"  # 32+ characters: `serve` refuses shorter ones
 MIB = 2**20
 
 

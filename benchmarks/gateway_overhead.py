@@ -30,7 +30,7 @@ import aiohttp
 import uvloop
 
 ROOT = Path(__file__).resolve().parent.parent
-MASTER_KEY = "sk-bench-master"
+MASTER_KEY = "sk-bench-master-key-0123456789abcdef"  # 32+ characters: `serve` refuses shorter ones
 BODY = b'{"model": "bench", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 16}'
 STREAM_BODY = BODY[:-1] + b', "stream": true}'
 

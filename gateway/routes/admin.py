@@ -22,12 +22,13 @@ from auth.admin import KeyCreateBody, KeyUpdateBody, parse_body, record_json, rf
 from auth.base import extract_credential
 from auth.master_key import read_master_key
 from auth.store import KeyRecord, KeyStore
+from gateway.client_address import client_address
 from gateway.engine_metrics import local_engine_stats
 from gateway.errors import AuthError, InvalidRequestError, PermissionDeniedError
 from gateway.health_probe import HealthProber
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router
-from gateway.routes.ui import has_session_cookie, require_session
+from gateway.routes.ui import auth_limiter, has_session_cookie, require_session, too_many_attempts
 from gateway.settings import Settings
 
 __all__ = ["admin_routes"]
@@ -43,16 +44,24 @@ def _json(data: dict[str, Any], status_code: int = 200) -> Response:
 
 async def _admin_store(request: Request) -> KeyStore:
     """The key store, once the caller has proven to hold the master key: as a bearer / x-api-key, or through a
-    console session cookie (plus its CSRF token for a state-changing call) when no key header is sent."""
+    console session cookie (plus its CSRF token for a state-changing call) when no key header is sent.
+
+    A wrong key counts against its client address like a console login (`gateway.routes.ui.auth_limiter`); an
+    address over the limit is refused before its key is compared, so a blocked guesser learns nothing."""
     if "authorization" not in request.headers and "x-api-key" not in request.headers and has_session_cookie(request):
         await require_session(request, is_state_changing=request.method not in ("GET", "HEAD"))
         session_store: KeyStore = request.app.state.key_store
         return session_store
+    client, limiter = client_address(request), auth_limiter(request)
+    window = await limiter.check(client.address, client.peer)
+    if window.is_blocked:
+        raise too_many_attempts(window)
     credential = extract_credential(request.headers)
     master_key = getattr(request.app.state, "master_key", None) or _read_master_key(request.app.state.settings)
     if master_key is not None and hmac.compare_digest(credential.encode(), master_key.encode()):
         store: KeyStore = request.app.state.key_store
         return store
+    await limiter.count(client.address, client.peer)
     store = request.app.state.key_store
     record = await store.find_by_secret(credential)
     if record is not None and not record.is_revoked:

@@ -24,7 +24,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from auth.master_key import read_master_key
-from auth.sessions import Session, SessionStore
+from auth.sessions import AuthLimiter, AuthWindow, Session, SessionStore
+from gateway.client_address import client_address
 from gateway.errors import (
     AuthError,
     GatewayError,
@@ -35,7 +36,15 @@ from gateway.errors import (
 )
 from gateway.settings import Settings
 
-__all__ = ["SECURITY_HEADERS", "SESSION_COOKIE", "console_routes", "has_session_cookie", "require_session"]
+__all__ = [
+    "SECURITY_HEADERS",
+    "SESSION_COOKIE",
+    "auth_limiter",
+    "console_routes",
+    "has_session_cookie",
+    "require_session",
+    "too_many_attempts",
+]
 
 SESSION_COOKIE = "unigate_session"
 CSRF_HEADER = "x-csrf-token"
@@ -57,6 +66,7 @@ _MEDIA_TYPES = {
 _STATIC_NAME = re.compile(r"^[a-z0-9_-]{1,64}\.(js|css|svg)$")
 _SHARED_FILES = {"charts.js": ("bench", "static/charts.js")}  # served from another package (dependency arrow ok)
 _MAX_LOGIN_BODY = 4096
+_PEER_LIMIT_FACTOR = 10  # a trusted proxy may forward this many times one address's attempts per minute
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -147,6 +157,27 @@ def _sessions(request: Request) -> SessionStore:
     return store
 
 
+def auth_limiter(request: Request) -> AuthLimiter:
+    """The app's limiter of master-key guesses: console logins and failed admin authentications share its windows
+    (`UNIGATE_CONSOLE__MAX_LOGINS_PER_MIN` per client address, ten times that per trusted proxy)."""
+    state = request.app.state
+    limiter: AuthLimiter | None = getattr(state, "auth_limiter", None)
+    if limiter is None:
+        max_per_min = state.settings.console.max_logins_per_min
+        limiter = state.auth_limiter = AuthLimiter(
+            _sessions(request).redis, max_per_min=max_per_min, max_per_peer_per_min=_PEER_LIMIT_FACTOR * max_per_min
+        )
+    return limiter
+
+
+def too_many_attempts(window: AuthWindow) -> LimitError:
+    return LimitError(
+        f"Too many login attempts or wrong master keys from this address; retry in {window.retry_after_s} s.",
+        code="rate_limit_exceeded",
+        headers={"retry-after": str(window.retry_after_s)},
+    )
+
+
 def _master_key(request: Request) -> str | None:
     master_key: str | None = getattr(request.app.state, "master_key", None)
     if master_key is not None:
@@ -199,15 +230,11 @@ def _session_json(session: Session) -> dict[str, Any]:
 async def login(request: Request) -> Response:
     """`POST /ui/api/login` `{"master_key": "..."}` → the session cookie and its CSRF token."""
     _check_origin(request)
-    settings: Settings = request.app.state.settings
     store = _sessions(request)
-    window = await store.count_login(request.client.host if request.client else "unknown")
-    if window.num_attempts > settings.console.max_logins_per_min:
-        raise LimitError(
-            f"Too many login attempts from this address; retry in {window.retry_after_s} s.",
-            code="rate_limit_exceeded",
-            headers={"retry-after": str(window.retry_after_s)},
-        )
+    client = client_address(request)
+    window = await auth_limiter(request).count(client.address, client.peer)  # right or wrong, every login counts
+    if window.is_blocked:
+        raise too_many_attempts(window)
     raw = await request.body()
     try:
         body = orjson.loads(raw) if len(raw) <= _MAX_LOGIN_BODY else None

@@ -72,7 +72,8 @@ def _stop_orphan(data_dir: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("workers", "master_key"), [("1", "sk-master-lock-test"), ("2", "sk-master-lock-test"), ("1", "")]
+    ("workers", "master_key"),
+    [("1", "sk-ug-master-lock-test-0123456789"), ("2", "sk-ug-master-lock-test-0123456789"), ("1", "")],
 )
 def test_unigate_serve_on_a_directory_in_use_exits_with_the_fix(tmp_path: Path, workers: str, master_key: str) -> None:
     """Refused before it does anything there: without UNIGATE_MASTER_KEY it must not generate and store a key

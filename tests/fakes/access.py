@@ -26,7 +26,7 @@ class Settled:
 
 @dataclass
 class RecordingAccess(MasterKeyAccess):
-    master_key: str = "sk-ug-master"
+    master_key: str = "sk-ug-master-test-key-0123456789"  # as fakes.app.MASTER
     keys: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key -> allowed models ("" = all)
     is_redis_up: bool | None = None  # None: no `ping` (duck-typed away below)
     admitted: list[str] = field(default_factory=list)

@@ -15,7 +15,7 @@ from gateway.app import create_app
 from gateway.routing_config import parse_routing
 from gateway.settings import Settings
 
-MASTER = "sk-ug-master"
+MASTER = "sk-ug-master-test-key-0123456789"  # 32 characters: `serve` refuses shorter ones
 AUTH = {"authorization": f"Bearer {MASTER}"}
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "Hello there"}]}
 
