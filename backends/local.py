@@ -154,7 +154,18 @@ class LocalBackend:
 
     def _load(self, load: Callable[[], AsyncEngine]) -> AsyncEngine:
         started = time.perf_counter()
-        engine = load()
+        try:
+            engine = load()
+        except Exception as exc:  # logged now, at start-up: otherwise only its requests' 500s would tell
+            code, message = _load_error(exc)
+            logger.error(
+                "local deployment %s could not load its model: %s (%s). Its requests get this error; /health/ready "
+                "shows it as load_failed.",
+                self.name,
+                message.rstrip(". "),
+                code,
+            )
+            raise
         if self._closed:
             engine.stop()
             raise EngineError("the local engine was closed while loading")
@@ -323,8 +334,11 @@ class LocalBackend:
     def stats(self) -> dict[str, Any]:
         """Engine stats for /metrics and GET /admin/engine (`loaded: false` while the model is loading)."""
         if self._engine is None:
-            failed = self._loading.done() and self._loading.exception() is not None
-            return {"name": self.name, "loaded": False, "load_failed": failed, "state": self.health_state()}
+            error = self._loading.exception() if self._loading.done() else None
+            stats: dict[str, Any] = {"name": self.name, "loaded": False, "load_failed": error is not None}
+            if error is not None:  # the code a request gets (`_ready`), e.g. checkpoint_not_found
+                stats["load_error"] = _load_error(error)[0]
+            return {**stats, "state": self.health_state()}
         return {
             "name": self.name,
             "loaded": True,
@@ -390,6 +404,15 @@ class LocalBackend:
             max_model_len,
         )
         return replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room)), (requested, room)
+
+
+def _load_error(exc: BaseException) -> tuple[str, str]:
+    """(code, message) of a failed load: the code its requests get (`_ready`) and what to log."""
+    if isinstance(exc, CheckpointError):  # its message names the path and the fix
+        return exc.code, exc.message
+    if isinstance(exc, GatewayError):
+        return exc.code, str(exc)
+    return "engine_error", f"{type(exc).__name__}: {exc}"
 
 
 def _tokenizer(engine: AsyncEngine) -> Tokenizer:

@@ -7,7 +7,9 @@ round comes one interval after start-up) it calls each deployment's `check_healt
 nor marked down: `loading` and `restarting` are states, not failures, and its requests get its own answer.
 
 States: `up`, `down` (the last probe failed, or the engine is dead), `cooling_down` (the router took it out after
-failures), `loading`, `restarting`. Before its first probe a deployment counts as `up`, as the router treats it.
+failures), `loading`, `restarting`, `load_failed` (a local model that could not be loaded; `reasons()` gives the
+error code its requests get, e.g. `checkpoint_not_found`). Before its first probe a deployment counts as `up`, as
+the router treats it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 
-from backends.base import ReportsHealthState
+from backends.base import Backend, ReportsEngineStats, ReportsHealthState
 from gateway.router import Deployment, Router
 
 __all__ = ["HealthProber"]
@@ -52,12 +54,25 @@ class HealthProber:
             backend = deployment.backend
             if isinstance(backend, ReportsHealthState):
                 state: str = backend.health_state()
+                if state == "down" and _load_error(backend) is not None:
+                    state = "load_failed"
             else:
                 state = "down" if self._is_failing.get(deployment.name) else "up"
             if state == "up" and self.router.is_cooling(deployment):
                 state = "cooling_down"
             states[deployment.name] = state
         return states
+
+    def reasons(self) -> dict[str, str]:
+        """Why each `load_failed` deployment is so: the error code its requests get; no I/O."""
+        reasons: dict[str, str] = {}
+        for deployment in self.router.deployments:
+            backend = deployment.backend
+            if isinstance(backend, ReportsHealthState) and backend.health_state() == "down":
+                error = _load_error(backend)
+                if error is not None:
+                    reasons[deployment.name] = error
+        return reasons
 
     async def probe_once(self) -> None:
         """One round: probe every deployment that has no state of its own; mark the failed ones down."""
@@ -83,3 +98,11 @@ class HealthProber:
             async with asyncio.timeout(self.timeout_s):
                 return await deployment.backend.check_health()
         return False
+
+
+def _load_error(backend: Backend) -> str | None:
+    """The code of a local model's failed load (from its stats: `load_failed`, `load_error`), else None."""
+    if not isinstance(backend, ReportsEngineStats):
+        return None
+    stats = backend.stats()
+    return str(stats.get("load_error") or "engine_error") if stats.get("load_failed") else None

@@ -27,7 +27,7 @@ from gateway.engine_metrics import local_engine_stats
 from gateway.errors import AuthError, InvalidRequestError, PermissionDeniedError
 from gateway.health_probe import HealthProber
 from gateway.metrics import GatewayMetrics
-from gateway.router import Router
+from gateway.router import Deployment, Router
 from gateway.routes.ui import auth_limiter, has_session_cookie, require_session, too_many_attempts
 from gateway.settings import Settings
 
@@ -36,6 +36,7 @@ __all__ = ["admin_routes"]
 _DEFAULT_PAGE_SIZE = 50
 _MAX_PAGE_SIZE = 500
 _MAX_SEARCH_SCAN = 10_000  # keys one `GET /admin/keys?search=` call reads at most (then `has_more`, go on `after`)
+_MAX_COOLING_SHOWN = 20  # a wildcard deployment's cooling models listed by GET /admin/models (all are counted)
 
 
 def _json(data: dict[str, Any], status_code: int = 200) -> Response:
@@ -211,12 +212,13 @@ async def usage_rows(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     """`GET /admin/models`: the routing table as this instance sees it — ids, aliases, fallbacks, and per deployment
-    its upstream host (never its key), state, cooldown, in-flight requests, and its attempts, errors and summed
-    latency since start (a reader takes differences between two reads for recent figures)."""
+    its upstream host (never its key), state (and the reason of a `load_failed`), cooldown, the models of a wildcard
+    deployment that cool down on their own, in-flight requests, and its attempts, errors and summed latency since
+    start (a reader takes differences between two reads for recent figures)."""
     await _admin_store(request)
     router: Router = request.app.state.router
     prober: HealthProber = request.app.state.health_prober
-    states = prober.states()
+    states, reasons = prober.states(), prober.reasons()
     attempts = _upstream_counters(request.app.state.metrics)
     now_wall, now_mono = time.time(), time.monotonic()
     data = []
@@ -234,6 +236,7 @@ async def models(request: Request) -> Response:
                     "upstream_model": config.model,
                     "weight": config.weight,
                     "state": states.get(config.name, "up"),
+                    "state_reason": reasons.get(config.name),  # e.g. checkpoint_not_found for `load_failed`
                     "cooldown_until": rfc3339(int((now_wall + remaining) * 1000)) if remaining > 0 else None,
                     "cooldown_remaining_s": round(remaining, 3),
                     "num_in_flight": deployment.num_in_flight,
@@ -241,6 +244,7 @@ async def models(request: Request) -> Response:
                     "num_attempts": int(counts.get("ok_count", 0) + counts.get("error_count", 0)),
                     "num_errors": int(counts.get("error_count", 0)),
                     "latency_sum_s": counts.get("ok_sum", 0.0) + counts.get("error_sum", 0.0),
+                    **_cooling_models(deployment, now_wall, now_mono),
                 }
             )
         data.append(
@@ -252,6 +256,25 @@ async def models(request: Request) -> Response:
             }
         )
     return _json({"object": "list", "data": data})
+
+
+def _cooling_models(deployment: Deployment, now_wall: float, now_mono: float) -> dict[str, Any]:
+    """A wildcard deployment's models that cool down on their own while the deployment serves the others (the
+    router's per-model records): how many, and the first `_MAX_COOLING_SHOWN` by name with their cooldowns."""
+    cooling = sorted(
+        (name, h.cooldown_until - now_mono) for name, h in deployment.models.items() if h.cooldown_until > now_mono
+    )
+    return {
+        "num_cooling_models": len(cooling),
+        "cooling_models": [
+            {
+                "model": name,
+                "cooldown_until": rfc3339(int((now_wall + remaining) * 1000)),
+                "cooldown_remaining_s": round(remaining, 3),
+            }
+            for name, remaining in cooling[:_MAX_COOLING_SHOWN]
+        ],
+    }
 
 
 def _host_of(base_url: str | None) -> str | None:

@@ -27,14 +27,22 @@ async def live(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    """200 when Redis can be written (if used) and at least one deployment is `up` (if any); 503 otherwise. Deployments
-    are `up`, `down`, `cooling_down`, `loading` or `restarting` (see `gateway.health_probe`)."""
+    """200 when Redis can be written (if used) and at least one deployment is `up`, or none is configured; 503
+    otherwise. Deployments are `up`, `down`, `cooling_down`, `loading`, `restarting` or `load_failed`; when one is
+    `load_failed`, `reasons` maps it to its error code (see `gateway.health_probe`)."""
     prober: HealthProber = request.app.state.health_prober
     settings: Settings = request.app.state.settings
     redis_state = await _probe_redis(getattr(request.app.state.access, "ping", None), settings.health_probe_timeout_s)
     states = prober.states()
     is_ready = redis_state != "down" and (not states or any(s == "up" for s in states.values()))
-    body = {"status": "ok" if is_ready else "unavailable", "redis": redis_state, "deployments": states}
+    body: dict[str, object] = {
+        "status": "ok" if is_ready else "unavailable",
+        "redis": redis_state,
+        "deployments": states,
+    }
+    reasons = prober.reasons()
+    if reasons:  # only when some deployment is `load_failed`: the body is otherwise as it always was
+        body["reasons"] = reasons
     return JSONBytesResponse(body, status_code=200 if is_ready else 503)
 
 

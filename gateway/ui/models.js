@@ -1,5 +1,6 @@
-/* Models: the routing table with each deployment's host, state, cooldown, in-flight requests, and its recent latency
- * and error rate (differences between reads of GET /admin/models over the last minute; this instance's view). */
+/* Models: the routing table with each deployment's host, state (with a failed load's reason, and the models of a
+ * wildcard deployment that cool down on their own), cooldown, in-flight requests, and its recent latency and error
+ * rate (differences between reads of GET /admin/models over the last minute; this instance's view). */
 (function () {
   'use strict';
   const UG = window.UG;
@@ -40,11 +41,28 @@
           errors: (d.num_errors - old.num_errors) / attempts };
       }
 
+      // The badge (a failed load styled as down), then what explains it: until when it cools down, why it failed
+      // to load (the error code its requests get), and a wildcard deployment's models that cool down on their own.
       function stateCell(d) {
-        const badge = h('span', { class: 'badge ' + d.state, 'data-state': d.state }, d.state.replace('_', ' '));
-        if (d.state !== 'cooling_down' || !d.cooldown_until) return h('td', {}, badge);
-        return h('td', {}, badge, h('div', { class: 'muted' },
-          'until ' + new Date(d.cooldown_until).toLocaleTimeString() + ' (' + Math.ceil(d.cooldown_remaining_s) + ' s)'));
+        const style = d.state === 'load_failed' ? 'down' : d.state;
+        const cell = h('td', {}, h('span', { class: 'badge ' + style, 'data-state': d.state }, d.state.replace('_', ' ')));
+        if (d.state === 'cooling_down' && d.cooldown_until) {
+          cell.appendChild(h('div', { class: 'muted' }, 'until ' + new Date(d.cooldown_until).toLocaleTimeString() +
+            ' (' + Math.ceil(d.cooldown_remaining_s) + ' s)'));
+        }
+        if (d.state_reason) {
+          cell.appendChild(h('div', { class: 'muted', 'data-reason': d.state_reason },
+            d.state_reason + ' (the gateway log says why)'));
+        }
+        const cooling = d.cooling_models || [];
+        if (d.num_cooling_models) {
+          const names = cooling.map((m) => m.model + ' (' + Math.ceil(m.cooldown_remaining_s) + ' s)').join(', ');
+          const more = d.num_cooling_models > cooling.length ? ', …' : '';
+          cell.appendChild(h('div', { class: 'muted', 'data-cooling-models': String(d.num_cooling_models) },
+            '· ' + d.num_cooling_models + (d.num_cooling_models === 1 ? ' model' : ' models') + ' cooling: ' +
+            names + more));
+        }
+        return cell;
       }
 
       function draw(models, before) {

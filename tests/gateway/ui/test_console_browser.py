@@ -24,7 +24,7 @@ import pytest
 import yaml
 from fakes.app import MASTER
 from fakes.server import ThreadedServer
-from fakes.upstream import FakeUpstream
+from fakes.upstream import Behavior, FakeUpstream
 
 from gateway.server import build_app
 from gateway.settings import Settings
@@ -362,3 +362,51 @@ def _bundle_bytes(url: str) -> int:
     html = httpx.get(url + "/ui").text
     names = [part.split('"')[0] for part in html.split("/ui/static/")[1:]]
     return len(html.encode()) + sum(len(httpx.get(f"{url}/ui/static/{name}").content) for name in names)
+
+
+@pytest.fixture
+def troubled_gateway(redis_url: str, tmp_path: Path, fake_upstream: FakeUpstream) -> Iterator[ThreadedServer]:
+    """A local deployment whose model_path does not exist, and a wildcard route over a fake upstream."""
+    models = [
+        {"id": "local", "deployments": [{"type": "local", "model_path": str(tmp_path / "no-such-model")}]},
+        {"id": "openai/*", "deployments": [_deployment(fake_upstream, "openai/*#0")]},
+    ]
+    routing = tmp_path / "unigate.yaml"
+    routing.write_text(yaml.safe_dump({"models": models, "router": {"retry_backoff_s": 0.001}}))
+    settings = Settings(
+        _env_file=None,  # type: ignore[call-arg]
+        config=routing,
+        master_key=MASTER,  # type: ignore[arg-type]
+        redis_url=redis_url,
+        data_dir=tmp_path / "data",
+        health_probe_interval_s=0,
+        engine={"device": "cpu"},  # type: ignore[arg-type]
+    )
+    with ThreadedServer(build_app(settings)) as server:
+        yield server
+
+
+def test_models_page_shows_a_failed_load_and_a_wildcards_cooling_models(
+    troubled_gateway: ThreadedServer, fake_upstream: FakeUpstream, page: Any, screenshots: Path
+) -> None:
+    server = troubled_gateway
+    fake_upstream.queue(*[Behavior(mode="status", status=500)] * 3)  # one request's 3 attempts: openai/gpt-x cools
+    failed = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"model": "openai/gpt-x", "messages": [{"role": "user", "content": "hi"}]},
+        headers={"authorization": f"Bearer {MASTER}"},
+        timeout=30,
+    )
+    assert failed.status_code == 502
+    page.goto(server.url + "/ui", wait_until="load")
+    page.fill("#login-key", MASTER)
+    page.click("#login-form button")
+    expect(page.locator("#keys-table")).to_be_visible()
+    page.goto(server.url + "/ui#/models")
+    local = page.locator("tr[data-deployment='local#0']")
+    expect(local.locator("[data-state=load_failed]")).to_have_text("load failed")
+    expect(local.locator("[data-reason]")).to_contain_text("checkpoint_not_found")
+    wildcard = page.locator("tr[data-deployment='openai/*#0']")
+    expect(wildcard.locator("[data-state=up]")).to_be_visible()
+    expect(wildcard.locator("[data-cooling-models]")).to_contain_text("1 model cooling: openai/gpt-x")
+    page.screenshot(path=str(screenshots / "models-troubled.png"), full_page=True)
