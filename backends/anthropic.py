@@ -51,9 +51,7 @@ class AnthropicDialect:
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             raise upstream_malformed("a stream event has no `type`")
         if event["type"] == "error":
-            error = error_from_event(event)
-            error.message = errors.redact(error.message)
-            raise error
+            raise errors.event_error(error_from_event(event))
         return event
 
     def is_keepalive(self, event: Json) -> bool:

@@ -17,7 +17,7 @@ from backends.base import Endpoint, Json
 from backends.config import UpstreamConfig
 from backends.upstream import UpstreamClient
 from backends.upstream_errors import UpstreamErrors
-from gateway.errors import BackendError, upstream_malformed
+from gateway.errors import upstream_malformed
 
 __all__ = ["OpenAIBackend", "OpenAIDialect"]
 
@@ -36,10 +36,7 @@ class OpenAIDialect:
         except orjson.JSONDecodeError as exc:
             raise upstream_malformed(f"a stream chunk is not JSON ({exc.msg} at position {exc.pos})") from None
         if isinstance(chunk, dict) and "error" in chunk and "choices" not in chunk:
-            raise BackendError(
-                f"The upstream reported an error mid-stream: {errors.message_of(chunk)}. Retry the request.",
-                code="upstream_error",
-            )
+            raise errors.server_error("reported an error in the middle of the stream", errors.message_of(chunk))
         return chunk  # type: ignore[no-any-return]
 
     def is_keepalive(self, event: Json) -> bool:

@@ -275,10 +275,7 @@ class UpstreamClient:
         except orjson.JSONDecodeError as exc:
             raise upstream_malformed(f"the body is not JSON ({exc.msg} at position {exc.pos})") from None
         if isinstance(data, dict) and "error" in data and "choices" not in data and "data" not in data:
-            raise BackendError(
-                f"The upstream answered with an error: {self.errors.message_of(data)}. Retry the request.",
-                code="upstream_error",
-            )
+            raise self.errors.server_error("answered with an error body", self.errors.message_of(data))
         if not isinstance(data, dict):
             raise upstream_malformed(f"the body is a JSON {type(data).__name__}, not an object")
         return data

@@ -1,13 +1,18 @@
 """An upstream's failures as `gateway.errors` types, translated once at the boundary (as httpx maps httpcore's).
 
 `UpstreamErrors` holds what the messages need (the deployment's name and limits) and what they must never show
-(the upstream key and the base_url's host, redacted from anything the upstream sends back).
+(the upstream key and the base_url's host, redacted from anything the upstream sends back). The text of an
+upstream's server-side failure (a 5xx, a 529, an error body or stream event) is not relayed at all: it may name
+internal hosts (`pool-7.internal:8443`), so the error carries it in `upstream_text` for the log (the pipeline logs
+it with the request id) and the client reads the gateway's own message. A 4xx's text is relayed (redacted): it
+tells the caller what to fix.
 
     HTTP 401/403                       502 upstream_auth_failed (the gateway's own upstream key, not the caller's)
     HTTP 3xx                           502 upstream_error (never followed)
     HTTP 429                           429 upstream_rate_limited (with a usable Retry-After, as whole seconds)
-    HTTP 529, overloaded_error         503 upstream_overloaded (Anthropic's "overloaded")
-    HTTP 5xx, other statuses           502 upstream_error
+    HTTP 529, overloaded_error         503 upstream_overloaded (Anthropic's "overloaded"; its text withheld)
+    HTTP 5xx                           502 upstream_error (its text withheld)
+    other statuses                     502 upstream_error
     HTTP 404                           404 model_not_found (or the upstream's code): the request's, not the
                                            deployment's failure, so it neither retries nor cools the deployment
     HTTP 400/409/413/415/422           400 (413) with the upstream's code, else invalid_request; a code that says
@@ -86,13 +91,9 @@ class UpstreamErrors:
                 headers={"retry-after": wait},
             )
         if status == 529 or code == "overloaded_error":
-            return UpstreamOverloadedError(
-                f"The upstream of deployment {self.name!r} is overloaded (HTTP {status}: {detail}). Retry later."
-            )
+            return self.server_error(f"is overloaded (HTTP {status})", detail, is_overloaded=True)
         if status >= 500:
-            return BackendError(
-                f"The upstream failed with HTTP {status} ({detail}). Retry later.", code="upstream_error"
-            )
+            return self.server_error(f"failed with HTTP {status}", detail)
         if status == 404:
             return NotFoundError(
                 f"The upstream answered HTTP 404 ({detail}): it does not serve the model the request named (check "
@@ -110,6 +111,27 @@ class UpstreamErrors:
             f"The upstream answered HTTP {status} ({detail}); check the deployment's `model` and `base_url`.",
             code="upstream_error",
         )
+
+    def server_error(self, what: str, detail: str, *, is_overloaded: bool = False) -> BackendError:
+        """The upstream's own server-side failure: the upstream `what` (the gateway's words: "failed with HTTP 503"),
+        with its text (`detail`) kept for the log only, never relayed (see the module docstring)."""
+        kind = UpstreamOverloadedError if is_overloaded else BackendError
+        error = kind(
+            f"The upstream of deployment {self.name!r} {what}. Its own error message is not passed on (it may name "
+            "internal hosts); the gateway logs it. Retry later."
+        )
+        error.upstream_text = self.redact(detail)
+        return error
+
+    def event_error(self, error: BackendError) -> BackendError:
+        """An error a stream event reported (`error` built from it, with the upstream's text in its message): a
+        rate limit keeps that text (redacted), a server-side failure becomes `server_error`."""
+        if error.status_code < 500:
+            error.message = self.redact(error.message)
+            return error
+        is_overloaded = error.code == "upstream_overloaded"
+        what = "is overloaded" if is_overloaded else "reported an error"
+        return self.server_error(f"{what} in the middle of the stream", error.message, is_overloaded=is_overloaded)
 
     def transport(self, exc: Exception, *, is_mid_stream: bool = False) -> GatewayError:
         """A client exception (aiohttp's, or a deadline's `TimeoutError`)."""

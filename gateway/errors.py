@@ -137,6 +137,9 @@ class BackendError(GatewayError):
     status_code = 502
     type = "api_error"
     code = "upstream_error"
+    # An upstream's own text about a server-side failure (redacted), for the gateway's log only: it may name
+    # internal hosts, so it is never part of `message` (backends.upstream_errors; the pipeline logs it).
+    upstream_text: str | None = None
 
 
 def upstream_malformed(what: str) -> BackendError:

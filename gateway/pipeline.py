@@ -29,7 +29,7 @@ from auth.base import AccessControl, Admission, SettleUsage, UpstreamLease, Upst
 from backends.base import FORWARDED_HEADERS, Endpoint, Json
 from backends.wire import usage_count
 from gateway.disconnect import unless_disconnected
-from gateway.errors import GatewayError, InvalidRequestError, UpstreamTimeoutError, upstream_malformed
+from gateway.errors import BackendError, GatewayError, InvalidRequestError, UpstreamTimeoutError, upstream_malformed
 from gateway.estimates import CHARS_PER_TOKEN, answer_chars, estimate_prompt_tokens, has_counts
 from gateway.metrics import GatewayMetrics
 from gateway.normalize import normalize_chunk, normalize_response
@@ -212,6 +212,8 @@ class Call:
         except GatewayError as error:
             if self._deployment is not None:
                 self.router.record_failure(self._deployment, error, model=self._served_target.health_key)
+                if isinstance(error, BackendError):
+                    self._withhold_upstream_text(error, self._deployment, self._served_target)
             self.metrics.errors.labels(error.code).inc()
             raise
         finally:
@@ -281,6 +283,9 @@ class Call:
         except UpstreamTimeoutError as error:
             _add_slot_wait(error, slot_wait_s)
             raise
+        except BackendError as error:
+            self._withhold_upstream_text(error, deployment, target)
+            raise
         finally:
             deployment.num_in_flight -= 1
             self.metrics.observe_upstream(deployment.name, outcome, time.perf_counter() - started)
@@ -307,6 +312,8 @@ class Call:
         except BaseException as error:
             if isinstance(error, UpstreamTimeoutError):
                 _add_slot_wait(error, slot_wait_s)
+            elif isinstance(error, BackendError):
+                self._withhold_upstream_text(error, deployment, target)
             deployment.num_in_flight -= 1
             self.metrics.observe_upstream(deployment.name, "error", time.perf_counter() - started)
             aclose = getattr(upstream, "aclose", None)
@@ -317,6 +324,25 @@ class Call:
         self.metrics.observe_upstream(deployment.name, "ok", time.perf_counter() - started)
         self._deployment, self._lease, self._served_target = deployment, lease, target
         return upstream, first
+
+    def _withhold_upstream_text(self, error: BackendError, deployment: Deployment, target: Target) -> None:
+        """An upstream's own text about its failure goes to the log, with the request id; the client's message
+        names the model and that id instead (the text may name internal hosts: backends.upstream_errors)."""
+        if error.upstream_text is None:
+            return
+        logger.warning(
+            "request %s: the upstream of deployment %s (model %s) failed: %s [%s]",
+            self.request_id,
+            deployment.name,
+            target.model_id,
+            error.upstream_text,
+            error.code,
+        )
+        error.upstream_text = None  # logged once, even if the error passes here again
+        error.message += (
+            f" Model {target.model_id!r}, request id {self.request_id}: the upstream's message is in the gateway's "
+            "log under this id."
+        )
 
     def _note_clamp(self, *reports: tuple[int, int] | None) -> None:
         """The clamp header of the attempt that answered: the backend's own report, else the gateway's clamp."""

@@ -96,6 +96,7 @@ class Behavior:
     size: int = 0
     hold_s: float = 60.0
     usage: dict[str, Any] | None = None  # reported instead of the default usage (e.g. absurd figures)
+    message: str = ""  # status / error_chunk: the upstream's error message instead of the default one
     cut_when: threading.Event | None = None  # stream_cut: cut only once this is set (see the module docstring)
 
 
@@ -282,13 +283,14 @@ class FakeUpstream:
     def _write_status(self, writer: asyncio.StreamWriter, behavior: Behavior) -> bool:
         """An error status; `variant` is the upstream's error code, or a provider's shape: "anthropic:<type>" or
         "google:<reason>" (Google answers a bad key with 400 INVALID_ARGUMENT, reason API_KEY_INVALID)."""
-        error: dict[str, Any] = {"message": f"fake upstream error {behavior.status}", "type": "api_error", "code": None}
+        message = behavior.message or f"fake upstream error {behavior.status}"
+        error: dict[str, Any] = {"message": message, "type": "api_error", "code": None}
         body: dict[str, Any] = {"error": error}
         if behavior.status == 401:
             error["message"] = "Incorrect API key provided: sk-upstr********cret."
         kind, _, name = behavior.variant.rpartition(":")
         if kind == "anthropic":
-            body = {"type": "error", "error": {"type": name, "message": f"fake {name}"}}
+            body = {"type": "error", "error": {"type": name, "message": behavior.message or f"fake {name}"}}
         elif kind == "google":
             error.update(code=behavior.status, status="INVALID_ARGUMENT", message="API key not valid.")
             error["details"] = [{"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": name}]
@@ -501,7 +503,8 @@ def _events(endpoint: str, request: dict[str, Any], behavior: Behavior) -> list[
         }[behavior.variant or "not_json"]
         return [*events[: behavior.cut_after], broken, b"data: [DONE]\n\n"]
     if behavior.mode == "error_chunk":
-        error = b'data: {"error": {"message": "overloaded mid-stream", "type": "server_error"}}\n\n'
+        text = behavior.message or "overloaded mid-stream"
+        error = b"data: " + orjson.dumps({"error": {"message": text, "type": "server_error"}}) + b"\n\n"
         return [*events[: behavior.cut_after], error]
     return events
 
