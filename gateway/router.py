@@ -7,6 +7,12 @@ are tried in order. A deployment that is at capacity (no `max_in_flight` slot wi
 tried again by the same request: that wait was already spent once, so only its other deployments and the
 fallbacks are tried. A deployment that fails `max_fails` times in a row (or answers 429) cools down; after a 429 for
 the upstream's Retry-After bounded by `max_retry_after_s` (`cooldown_s` when it sent none, or nothing usable).
+
+A 429 is retried even when no other deployment is left (a model with one deployment): the request that got it
+waits the upstream's Retry-After when that is at most `max_backoff_s` (the usual backoff when it sent none), then
+tries that deployment again; a longer Retry-After is the client's to wait, so the upstream's 429 goes back with it.
+A request that finds every deployment of its model cooling after a 429 gets 429 `upstream_rate_limited` with the
+time left, not 503 `upstream_cooling_down`: the upstream said when to come back.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import TypeVar
 
 from backends.base import Backend
 from backends.retry_after import parse_retry_after, retry_after_header
-from gateway.errors import BackendError, GatewayError, NotFoundError, UnavailableError
+from gateway.errors import BackendError, GatewayError, NotFoundError, UnavailableError, UpstreamRateLimitedError
 from gateway.routing_config import DeploymentConfig, ModelConfig, RouterConfig, RoutingConfig
 
 __all__ = ["Deployment", "ModelRoute", "Router", "Target"]
@@ -46,6 +52,7 @@ class ModelHealth:
 
     num_fails: int = 0
     cooldown_until: float = 0.0
+    is_rate_limited: bool = False  # the cooldown is a 429's: the upstream said when to come back
 
 
 @dataclass(slots=True)
@@ -55,6 +62,7 @@ class Deployment:
     num_in_flight: int = 0
     num_fails: int = 0
     cooldown_until: float = 0.0
+    is_rate_limited: bool = False  # the cooldown is a 429's (see `ModelHealth`)
     models: dict[str, ModelHealth] = field(default_factory=dict)  # wildcard routes: health per requested model
 
     def health_of(self, model: str | None) -> ModelHealth | None:
@@ -181,26 +189,37 @@ class Router:
         for current in self._chain(target, may_use):
             tried: set[str] = set()
             spent: set[str] = set()  # deployments this request must not try again (see `_NOT_AGAIN`)
+            rate_limited: tuple[Deployment, float] | None = None  # the last 429's deployment, and the wait it asked
             for attempt_number in range(1 + self.config.num_retries):
                 model = current.health_key
                 deployment = self.pick(current.route, exclude=tried, skip=spent, model=model)
+                wait = self._backoff(attempt_number) if attempt_number > 0 else 0.0
+                is_after_429 = deployment is None and rate_limited is not None
+                if deployment is None and rate_limited is not None:
+                    deployment, wait = rate_limited  # nothing else left: wait its 429 out, then try it again
                 if deployment is None:
                     last_error = last_error or self._all_cooling_error(current.route, model)
                     break
-                if attempt_number > 0:
-                    await asyncio.sleep(self._backoff(attempt_number))
+                rate_limited = None
+                if wait > 0:
+                    await asyncio.sleep(wait)
                 tried.add(deployment.name)
                 try:
                     result = await attempt(deployment, current)
                 except GatewayError as error:
+                    retry_after = parse_retry_after(error.headers.get("retry-after"))  # the upstream's, as it sent it
                     self.record_failure(deployment, error, model=model)
                     last_error = error
                     if error.code not in _RETRIABLE:
                         break
                     if error.code in _NOT_AGAIN:
                         spent.add(deployment.name)
+                    elif error.code == "upstream_rate_limited":
+                        rate_limited = self._after_429(deployment, retry_after, attempt_number + 1, spent)
                     continue
                 self.record_success(deployment, model=model)
+                if is_after_429:
+                    self._lift_rate_limit(deployment, model)  # it answered: its 429 cooldown is over for everyone
                 return result
             if last_error is not None and not _may_fall_back(last_error):
                 raise last_error
@@ -230,6 +249,25 @@ class Router:
         ties = [d for d in fresh if d.num_in_flight / d.config.weight == best]
         return random.choices(ties, weights=[d.config.weight for d in ties])[0]
 
+    def _after_429(
+        self, deployment: Deployment, retry_after: float | None, attempt_number: int, spent: set[str]
+    ) -> tuple[Deployment, float] | None:
+        """The wait before this request may try a deployment that answered 429 again: the upstream's Retry-After
+        when it is at most `max_backoff_s` (the usual backoff when it sent none); None, and never again for this
+        request, when it asked for longer (the client gets the 429 and its Retry-After)."""
+        if retry_after is None:
+            return deployment, self._backoff(attempt_number)
+        if retry_after <= self.config.max_backoff_s:
+            return deployment, retry_after
+        spent.add(deployment.name)
+        return None
+
+    def _lift_rate_limit(self, deployment: Deployment, model: str | None) -> None:
+        for health in (deployment, deployment.health_of(model)):
+            if health is not None and health.is_rate_limited:
+                health.cooldown_until = 0.0
+                health.is_rate_limited = False
+
     def record_success(self, deployment: Deployment, *, model: str | None = None) -> None:
         deployment.num_fails = 0
         health = deployment.health_of(model)
@@ -246,7 +284,8 @@ class Router:
             health = self._model_health(deployment, model)
         health.num_fails += 1
         cooldown = self.config.cooldown_s
-        if error.code == "upstream_rate_limited":
+        is_rate_limited = error.code == "upstream_rate_limited"
+        if is_rate_limited:
             retry_after = parse_retry_after(error.headers.get("retry-after"))
             if retry_after is not None:
                 cooldown = min(retry_after, self.config.max_retry_after_s)
@@ -254,6 +293,7 @@ class Router:
         elif health.num_fails < self.config.max_fails:
             return
         health.cooldown_until = self._clock() + cooldown
+        health.is_rate_limited = is_rate_limited
         health.num_fails = 0
 
     def _model_health(self, deployment: Deployment, model: str) -> ModelHealth:
@@ -269,12 +309,17 @@ class Router:
         return health
 
     def _cooldown_until(self, deployment: Deployment, model: str | None) -> float:
+        return self._cooling(deployment, model).cooldown_until
+
+    def _cooling(self, deployment: Deployment, model: str | None) -> Deployment | ModelHealth:
+        """Whichever keeps the deployment out longer for `model`: its own cooldown or the model's on it."""
         health = deployment.health_of(model)
-        return deployment.cooldown_until if health is None else max(deployment.cooldown_until, health.cooldown_until)
+        return deployment if health is None or deployment.cooldown_until >= health.cooldown_until else health
 
     def mark_down(self, deployment: Deployment) -> None:
         """Take a deployment out for one cooldown (a failed health probe)."""
         deployment.cooldown_until = self._clock() + self.config.cooldown_s
+        deployment.is_rate_limited = False
 
     def is_cooling(self, deployment: Deployment) -> bool:
         return deployment.cooldown_until > self._clock()
@@ -294,9 +339,17 @@ class Router:
         ceiling: float = min(self.config.max_backoff_s, self.config.retry_backoff_s * 2.0 ** (attempt_number - 1))
         return ceiling / 2 + random.uniform(0, ceiling / 2)  # "equal jitter": spread retries, keep a floor
 
-    def _all_cooling_error(self, route: ModelRoute, model: str | None = None) -> UnavailableError:
-        wait = max(0.0, min(self._cooldown_until(d, model) for d in route.deployments) - self._clock())
+    def _all_cooling_error(self, route: ModelRoute, model: str | None = None) -> GatewayError:
+        """503 `upstream_cooling_down`, or 429 `upstream_rate_limited` when every deployment is out after a 429."""
+        coolings = [self._cooling(d, model) for d in route.deployments]
+        wait = max(0.0, min(c.cooldown_until for c in coolings) - self._clock())
         seconds = max(1, int(wait + 0.999))
+        if all(c.is_rate_limited for c in coolings):
+            return UpstreamRateLimitedError(
+                f"The upstream of model {model or route.id!r} is rate limiting the gateway (HTTP 429); retry in "
+                f"{seconds} s.",
+                headers={"retry-after": str(seconds)},
+            )
         return UnavailableError(
             f"Every deployment of model {model or route.id!r} failed recently and is cooling down; retry in "
             f"{seconds} s.",

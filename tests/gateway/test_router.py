@@ -295,3 +295,56 @@ def test_wildcard_and_alias_resolution() -> None:
         router.resolve("opnai/gpt-4.1")
     assert "Did you mean 'openai/<model>'?" in caught.value.message  # the wildcard's form, not a fake model id
     assert "openai/*" not in caught.value.message
+
+
+# --- a 429 from a model's only deployment (docs/gateway.md: num_retries retries 429s) ----------------------------
+
+ONE_DEPLOYMENT_RETRIES = {"num_retries": 2, "retry_backoff_s": 0.001, "max_backoff_s": 2.0, "cooldown_s": 30}
+
+
+def only_deployment(upstream: FakeUpstream, **router: Any) -> dict[str, Any]:
+    return {
+        "models": [{"id": "gpt-test", "deployments": [deployment(upstream)]}],
+        "router": {**ONE_DEPLOYMENT_RETRIES, **router},
+    }
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("retry_after", [None, "1"], ids=["no-retry-after", "retry-after-1"])
+async def test_a_429_from_the_only_deployment_is_retried(
+    fake_upstream: FakeUpstream, retry_after: str | None, stream: bool
+) -> None:
+    """After its Retry-After (when at most max_backoff_s), or the usual backoff when it sent none; the deployment
+    that then answers is back for the next request too (no 503 upstream_cooling_down)."""
+    fake_upstream.queue(Behavior(mode="status", status=429, retry_after=retry_after))
+    async with asgi_client(build_app(only_deployment(fake_upstream))) as client:
+        response = await client.post("/v1/chat/completions", json={**CHAT, "stream": stream}, headers=AUTH)
+        assert response.status_code == 200, response.text
+        assert len(fake_upstream.requests) == 2
+        again = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    assert again.status_code == 200, again.text
+    assert len(fake_upstream.requests) == 3
+
+
+async def test_retries_spent_on_429s_give_the_upstreams_429_not_a_503(fake_upstream: FakeUpstream) -> None:
+    fake_upstream.behave(mode="status", status=429, retry_after="1")
+    async with asgi_client(build_app(only_deployment(fake_upstream, num_retries=1))) as client:
+        response = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    assert response.status_code == 429, response.text
+    assert response.json()["error"]["code"] == "upstream_rate_limited"
+    assert response.headers["retry-after"] == "1"
+    assert len(fake_upstream.requests) == 2  # 1 + num_retries
+
+
+async def test_a_retry_after_longer_than_a_retry_waits_goes_to_the_client(fake_upstream: FakeUpstream) -> None:
+    """Retry-After 30 > max_backoff_s: no retry against the upstream's word; the client gets its 429 and Retry-After,
+    and so does the next request while the deployment is out (429 with the time left, not 503)."""
+    fake_upstream.behave(mode="status", status=429, retry_after="30")
+    async with asgi_client(build_app(only_deployment(fake_upstream))) as client:
+        response = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+        assert response.status_code == 429 and response.headers["retry-after"] == "30"
+        again = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    assert again.status_code == 429, again.text
+    assert again.json()["error"]["code"] == "upstream_rate_limited"
+    assert 1 <= int(again.headers["retry-after"]) <= 30
+    assert len(fake_upstream.requests) == 1  # the cooling deployment was not asked again
