@@ -44,19 +44,16 @@ def forwarded_allow_ips() -> str:
     return os.environ.get("FORWARDED_ALLOW_IPS", "127.0.0.1")
 
 
-class ForwardedClientMiddleware:
+class ForwardedClientMiddleware(ProxyHeadersMiddleware):
     """uvicorn's `ProxyHeadersMiddleware`, keeping the connection's own address in the scope."""
 
     def __init__(self, app: ASGIApp, trusted_hosts: str | list[str]) -> None:
-        self.app = app
-        self._proxy_headers = ProxyHeadersMiddleware(app, trusted_hosts)  # type: ignore[arg-type]
+        super().__init__(app, trusted_hosts)  # type: ignore[arg-type]  # uvicorn spells the ASGI types its own way
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self.app(scope, receive, send)
-            return
-        scope[PEER_SCOPE_KEY] = scope.get("client")
-        await self._proxy_headers(scope, receive, send)  # type: ignore[arg-type]
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
+        if scope["type"] != "lifespan":
+            scope[PEER_SCOPE_KEY] = scope.get("client")
+        await super().__call__(scope, receive, send)  # type: ignore[arg-type]
 
 
 def client_address(request: Request) -> ClientAddress:
