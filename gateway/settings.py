@@ -68,7 +68,8 @@ class ConsoleSettings(BaseModel):
 
     enabled: bool = True
     session_ttl_s: int = Field(default=8 * 3600, ge=60)  # a console session ends this long after login
-    max_logins_per_min: int = Field(default=10, ge=1)  # login attempts per client address per minute
+    # login attempts and wrong admin keys per client address per minute (10x that per trusted proxy)
+    max_logins_per_min: int = Field(default=10, ge=1)
 
 
 class Settings(BaseSettings):
