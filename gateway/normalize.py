@@ -3,6 +3,9 @@
 Clients crash with "error reading choices" on bodies that are almost right. We repair what has exactly one
 meaning (a missing `index`, a missing `finish_reason`, `content` absent next to `tool_calls`, a missing
 `role`) and reject the rest with 502 `upstream_malformed_response`, saying what was wrong.
+
+`name_model` makes an answer of any family name the public id of the model that served it (a fallback's own, an
+alias's id), as OpenAI names the model that served; the upstream's own name goes in `UPSTREAM_MODEL_HEADER`.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ import orjson
 from backends.base import Endpoint, Json
 from gateway.errors import upstream_malformed
 
-__all__ = ["normalize_chunk", "normalize_response"]
+__all__ = ["UPSTREAM_MODEL_HEADER", "name_model", "normalize_chunk", "normalize_response", "upstream_model_header"]
+
+UPSTREAM_MODEL_HEADER = "x-unigate-upstream-model"
+_MAX_HEADER_MODEL_CHARS = 256
 
 
 def normalize_response(endpoint: Endpoint, body: Any) -> Json:
@@ -41,6 +47,27 @@ def normalize_chunk(endpoint: Endpoint, chunk: Any) -> Json:
         for position, choice in enumerate(choices):
             _check_choice(choice, position, is_chat=is_chat, is_chunk=True)
     return chunk
+
+
+def name_model(data: Json, model_id: str) -> Any:
+    """Put `model_id` where an answer or stream event names its model: the top-level `model` (chat, completions,
+    embeddings, Messages and Responses answers, chat chunks), a Messages stream's `message_start` message, or a
+    Responses stream event's `response`. Returns the name that was there (None when it named none)."""
+    holder: Any = data
+    if "model" not in data:
+        holder = data.get("message") if data.get("type") == "message_start" else data.get("response")
+        if not isinstance(holder, dict) or "model" not in holder:
+            return None
+    upstream = holder["model"]
+    holder["model"] = model_id
+    return upstream
+
+
+def upstream_model_header(name: Any) -> str | None:
+    """The upstream's own model name as a header value: a short printable ASCII string, else None (not sent)."""
+    if isinstance(name, str) and 0 < len(name) <= _MAX_HEADER_MODEL_CHARS and name.isascii() and name.isprintable():
+        return name
+    return None
 
 
 def _choices(body: Json, *, allow_empty: bool) -> list[Any]:

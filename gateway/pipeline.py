@@ -32,7 +32,13 @@ from gateway.disconnect import unless_disconnected
 from gateway.errors import BackendError, GatewayError, InvalidRequestError, UpstreamTimeoutError, upstream_malformed
 from gateway.estimates import CHARS_PER_TOKEN, answer_chars, estimate_prompt_tokens, has_counts
 from gateway.metrics import GatewayMetrics
-from gateway.normalize import normalize_chunk, normalize_response
+from gateway.normalize import (
+    UPSTREAM_MODEL_HEADER,
+    name_model,
+    normalize_chunk,
+    normalize_response,
+    upstream_model_header,
+)
 from gateway.output_limits import (
     CLAMP_HEADER,
     clamp_for_upstream,
@@ -165,6 +171,12 @@ class Call:
     def model(self) -> str:
         return self.target.model_id
 
+    @property
+    def served_model(self) -> str:
+        """The public id of the model that answered: the requested model's id, or a fallback's (known once `json()`
+        returned or the stream opened); what every answer names as its `model`."""
+        return self._served_target.model_id
+
     async def json(self) -> Json:
         """The non-streaming response, validated/repaired, after retries and fallbacks."""
 
@@ -177,6 +189,7 @@ class Call:
         except BaseException:
             await self.aclose()
             raise
+        self._note_upstream_model(name_model(data, self.served_model))
         usage = data.get("usage")
         self._usage = usage if isinstance(usage, dict) else None
         self._is_answered = True
@@ -257,7 +270,9 @@ class Call:
     async def open_stream(self) -> None:
         # Waiting for the first chunk may take minutes: stop (and release everything) if the client goes away.
         attempts = self.router.execute(self.target, self._stream_attempt, may_use=self.admission.principal.may_use)
-        self._upstream, self._first = await unless_disconnected(attempts)
+        upstream, first = await unless_disconnected(attempts)
+        self._note_upstream_model(name_model(first, self.served_model))
+        self._upstream, self._first = upstream, first
 
     # --- attempts (one per deployment try; the router retries / falls back around them) ----------------------
 
@@ -344,6 +359,14 @@ class Call:
             "log under this id."
         )
 
+    def _note_upstream_model(self, name: object) -> None:
+        """The upstream's own model name, from the answer (or the stream's first chunk), in a header."""
+        value = upstream_model_header(name)
+        if value is None:
+            self.headers.pop(UPSTREAM_MODEL_HEADER, None)
+        else:
+            self.headers[UPSTREAM_MODEL_HEADER] = value
+
     def _note_clamp(self, *reports: tuple[int, int] | None) -> None:
         """The clamp header of the attempt that answered: the backend's own report, else the gateway's clamp."""
         clamped = next((report for report in reports if report is not None), None)
@@ -384,7 +407,9 @@ class Call:
             logger.exception("could not release upstream lease for %s", lease.deployment)
 
     def _accept(self, chunk: Json) -> Json | None:
-        """Capture usage and completion size; strip the usage the client did not ask for."""
+        """Name the model that served; capture usage and completion size; strip the usage the client did not ask
+        for."""
+        name_model(chunk, self.served_model)
         if "usage" in chunk:
             usage = chunk["usage"]
             if isinstance(usage, dict):

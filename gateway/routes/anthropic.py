@@ -53,7 +53,7 @@ async def create_message(request: Request) -> Response:
         with forwarding(request):
             data = await call.json()
         if not is_native:
-            data = chat_to_message(data, model=model, stop_sequences=body.get("stop_sequences"))
+            data = chat_to_message(data, model=call.served_model, stop_sequences=body.get("stop_sequences"))
         # (after the answer: it may add headers, e.g. x-unigate-max-tokens-clamped)
         headers = anthropic_headers(call.headers, request_id=request_id_of(request))
         return JSONBytesResponse(orjson.dumps(data), headers=headers)
@@ -63,7 +63,7 @@ async def create_message(request: Request) -> Response:
     else:
         events = chat_chunks_to_events(
             call.chunks(),
-            model=model,
+            model=call.served_model,
             input_tokens=estimate_prompt_tokens("messages", body),
             stop_sequences=body.get("stop_sequences"),
         )

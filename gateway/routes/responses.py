@@ -60,10 +60,11 @@ async def create_response(request: Request) -> Response:
         with forwarding(request), _named_as_input():
             call = await open_call(request, endpoint="chat/completions", body=chat, model=model, stream=stream)
             data = None if stream else await call.json()
+        served = {**body, "model": call.served_model}  # the answer names the model that served (a fallback's id)
         if data is not None:
-            response = chat_to_response(data, request=body)
+            response = chat_to_response(data, request=served)
             return JSONBytesResponse(orjson.dumps(response), headers=call.headers)
-        events = chat_chunks_to_response_events(call.chunks(), request=body)
+        events = chat_chunks_to_response_events(call.chunks(), request=served)
     encoded = with_keepalive(encode_events(events), interval_s=KEEPALIVE_INTERVAL_S, keepalive=_KEEPALIVE)
     return EventStreamResponse(encoded, headers=call.headers, error_tail=_error_tail, on_close=call.aclose)
 

@@ -333,7 +333,7 @@ def _response_format(output_config: Any) -> Json | None:
 
 
 def chat_to_message(response: Json, *, model: str, stop_sequences: Sequence[str] | None = None) -> Json:
-    """A chat completion as a Messages response. `model` is the name the client asked for; `stop_sequences`
+    """A chat completion as a Messages response. `model` is the public id of the model that served; `stop_sequences`
     (the request's) tells a stop-sequence stop from a natural one when the upstream reports the match."""
     choices = response.get("choices") or [{}]
     choice = choices[0]
