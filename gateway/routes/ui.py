@@ -34,6 +34,7 @@ from gateway.errors import (
     NotFoundError,
     PermissionDeniedError,
 )
+from gateway.security_headers import SECURITY_HEADERS
 from gateway.settings import Settings
 
 __all__ = [
@@ -48,15 +49,6 @@ __all__ = [
 
 SESSION_COOKIE = "unigate_session"
 CSRF_HEADER = "x-csrf-token"
-SECURITY_HEADERS = {
-    "content-security-policy": (
-        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
-        "frame-ancestors 'none'; base-uri 'none'; form-action 'self'"
-    ),
-    "x-content-type-options": "nosniff",
-    "referrer-policy": "no-referrer",
-    "x-frame-options": "DENY",
-}
 _MEDIA_TYPES = {
     ".html": "text/html; charset=utf-8",
     ".js": "text/javascript; charset=utf-8",
