@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import ClientDisconnectedError, GatewayError, NotFoundError, render_anthropic, render_openai
 from gateway.metrics import GatewayMetrics
-from gateway.routes.ui import SECURITY_HEADERS
+from gateway.security_headers import SECURITY_HEADERS
 from gateway.translate.anthropic_meta import anthropic_headers
 
 __all__ = ["ErrorMiddleware", "error_response", "http_exception_handler"]
