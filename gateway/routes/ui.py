@@ -284,6 +284,7 @@ _ANY_METHOD = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 def console_routes() -> list[Route]:
     return [
         Route("/ui", _secured(index, ("GET",)), methods=_ANY_METHOD),
+        Route("/ui/", _secured(index, ("GET",)), methods=_ANY_METHOD),  # a route of its own, not a rewrite
         Route("/ui/static/{name}", _secured(static, ("GET",)), methods=_ANY_METHOD),
         Route("/ui/api/login", _secured(login, ("POST",)), methods=_ANY_METHOD),
         Route("/ui/api/session", _secured(current_session, ("GET",)), methods=_ANY_METHOD),

@@ -88,9 +88,13 @@ async def test_pages_and_errors_under_ui_carry_the_strict_csp(app: Starlette) ->
     async with browser(app) as client:
         page = await client.get("/ui")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-        slash = await client.get("/ui/")  # /ui/* is never rewritten (docs/gateway.md): a 404 that names /ui
-        assert slash.status_code == 404 and "open /ui" in slash.json()["error"]["message"]
+        slash = await client.get("/ui/")  # the page's second route (not a rewrite: no x-unigate-path-normalized)
+        assert slash.status_code == 200 and slash.text == page.text
+        assert "x-unigate-path-normalized" not in slash.headers
         assert_secured(slash)
+        other = await client.get("/ui/keys/")  # /ui/* is never rewritten (docs/gateway.md): a 404 that names /ui
+        assert other.status_code == 404 and "open /ui" in other.json()["error"]["message"]
+        assert_secured(other)
         assert '<script src="/ui/static/app.js" defer>' in page.text and "<script>" not in page.text
         assert_secured(page)
         script = await client.get("/ui/static/app.js")
