@@ -160,7 +160,10 @@ class EngineClient:
         """The engine's stats at its last answer (at most `poll_interval_s` old), with this deployment's name and
         the engine process's `pid`; `loaded: false` while its model loads or its process does not answer."""
         stats = self._engine.get("stats")
-        if self._state == "down" or not isinstance(stats, dict):
+        # `down` with stats: the process answered that its engine is down (e.g. the load failed: `load_failed`,
+        # `load_error` come through); `down` with no fresh answer: the process itself did not answer.
+        is_answered_down = self._state == "down" and self._engine.get("state") == "down"
+        if (self._state == "down" and not is_answered_down) or not isinstance(stats, dict):
             return {"name": self.name, "loaded": False, "load_failed": False, "state": self._state}
         return {"loaded": False, **stats, "name": self.name, "state": self._state, "pid": self._engine.get("pid")}
 
@@ -187,6 +190,7 @@ class EngineClient:
         state = data.get("state")
         if state not in _HEALTH_STATES:
             self._state = "down"
+            self._engine = {}  # its last answer is stale: nothing of it is reported
             return
         self._engine = data
         self._state = state
@@ -213,7 +217,7 @@ class EngineClient:
         return data
 
     def _unreachable(self, exc: Exception) -> UnavailableError:
-        self._state = "down"
+        self._state, self._engine = "down", {}
         what = "did not answer in time" if isinstance(exc, TimeoutError) else "is not running"
         return UnavailableError(
             f"The engine process of deployment {self.name!r} {what} (it stopped, or it is being restarted). "
@@ -224,7 +228,7 @@ class EngineClient:
 
     def _cut_off(self, exc: Exception | None = None) -> UnavailableError:
         if not isinstance(exc, TimeoutError):
-            self._state = "down"
+            self._state, self._engine = "down", {}
         return UnavailableError(
             f"The engine process of deployment {self.name!r} stopped in the middle of the stream; the output above "
             "is incomplete. Retry the request.",

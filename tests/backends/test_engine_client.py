@@ -198,3 +198,35 @@ def test_engine_error_from(payload: dict[str, Any], status: int, kind: type[Gate
     expected = payload.get("status", status) if "error" in payload and status != 401 else 502
     assert error.status_code == expected
     assert error.code == code
+
+
+async def test_a_failed_load_in_the_engine_process_is_reported_with_its_code(tmp_path: Path) -> None:
+    """The real engine server with a `model_path` that does not exist: its client reports the engine's own
+    `load_failed` and code (readiness and the console show them), not a process that did not answer; once the
+    process is gone, nothing of that stale answer is reported."""
+    from gateway.engine_server import create_engine_app
+    from gateway.health_probe import _load_error as load_failure
+    from gateway.settings import Settings
+
+    engine = {"model_path": str(tmp_path / "no-such-model"), "device": "cpu"}
+    settings = Settings(_env_file=None, data_dir=tmp_path / "data", engine=engine)  # type: ignore[call-arg, arg-type]
+    path = tmp_path / "engine.sock"
+    client = client_for(str(path))
+    try:
+        with ThreadedServer(create_engine_app(settings), uds=str(path), log_config=None):
+            for _ in range(200):  # the load fails at once (nothing to read); bounded wait for the engine to say so
+                await client.refresh()
+                if client.health_state() == "down":
+                    break
+                await asyncio.sleep(0.05)
+            stats = client.stats()
+            assert (client.health_state(), stats["load_failed"], stats["load_error"]) == (
+                "down",
+                True,
+                "checkpoint_not_found",
+            )
+            assert load_failure(client) == "checkpoint_not_found"
+        await client.refresh()  # the process has stopped
+        assert client.health_state() == "down" and client.stats()["load_failed"] is False
+    finally:
+        await client.aclose()
