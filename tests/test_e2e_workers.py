@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import os
 import signal
 import socket
@@ -26,6 +25,7 @@ import orjson
 import psutil
 import pytest
 from fakes.app import MASTER
+from fakes.checkpoints import tiny_llama_checkpoint
 from fakes.net import free_port
 
 pytestmark = pytest.mark.timeout(90)
@@ -36,15 +36,7 @@ START_TIMEOUT_S = 60.0
 
 
 def _tiny_checkpoint(directory: Path) -> Path:
-    """A tiny random llama (context 4096) with a tiny byte-level tokenizer (the loader tests' helpers)."""
-    helpers = Path(__file__).resolve().parent / "local_engine" / "loading" / "tiny_checkpoints.py"
-    spec = importlib.util.spec_from_file_location("workers_tiny_checkpoints", helpers)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.tiny_model("llama", tie_word_embeddings=True, max_position_embeddings=4096).save_pretrained(directory)
-    module.save_tiny_tokenizer(directory)
-    return directory
+    return tiny_llama_checkpoint(directory, max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="module")

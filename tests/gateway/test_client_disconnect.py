@@ -4,7 +4,6 @@ request counts as `client_disconnected` (status 499 in the request metrics), one
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import socket
 import time
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 from fakes.app import MASTER
+from fakes.checkpoints import tiny_llama_checkpoint
 from fakes.server import ThreadedServer
 from fakes.upstream import FakeUpstream
 from starlette.applications import Starlette
@@ -122,15 +122,7 @@ def test_a_client_gone_mid_body_is_counted_apart_and_logged_in_one_line(
 
 
 def _tiny_checkpoint(directory: Path) -> Path:
-    """A tiny random llama with a byte-level tokenizer (the loader tests' helpers, as tests/test_e2e_workers.py)."""
-    helpers = Path(__file__).resolve().parents[1] / "local_engine" / "loading" / "tiny_checkpoints.py"
-    spec = importlib.util.spec_from_file_location("disconnect_tiny_checkpoints", helpers)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.tiny_model("llama", tie_word_embeddings=True).save_pretrained(directory)
-    module.save_tiny_tokenizer(directory)
-    return directory
+    return tiny_llama_checkpoint(directory)
 
 
 @pytest.mark.parametrize("path", ["/engine/send/chat/completions", "/engine/stream/chat/completions"])

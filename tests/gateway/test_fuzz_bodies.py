@@ -18,7 +18,6 @@ set it to explore further with fresh random examples each run).
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from fakes.checkpoints import tiny_llama_checkpoint
 from fakes.server import ThreadedServer
 from fakes.upstream import Behavior, FakeUpstream
 from hypothesis import HealthCheck, given, settings
@@ -56,15 +56,7 @@ pytestmark = pytest.mark.timeout(max(180, EXAMPLES * 3))
 
 
 def _tiny_checkpoint(directory: Path) -> Path:
-    """A tiny random llama with a tiny byte-level tokenizer (the loader tests' helpers)."""
-    helpers = Path(__file__).resolve().parents[1] / "local_engine" / "loading" / "tiny_checkpoints.py"
-    spec = importlib.util.spec_from_file_location("fuzz_tiny_checkpoints", helpers)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.tiny_model("llama", tie_word_embeddings=True).save_pretrained(directory)
-    module.save_tiny_tokenizer(directory)
-    return directory
+    return tiny_llama_checkpoint(directory)
 
 
 class Gateway:
