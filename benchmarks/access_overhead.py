@@ -17,7 +17,8 @@ from pathlib import Path
 
 from auth.access import AccessConfig, RedisAccess
 from auth.base import SettleUsage
-from auth.redis_client import EmbeddedRedis, connect
+from auth.embedded_redis import EmbeddedRedis
+from auth.redis_client import connect
 from auth.store import KeyStore
 
 MASTER_KEY = "sk-ug-bench-master"

@@ -40,8 +40,9 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from auth import scripts
+from auth.embedded_redis import EmbeddedRedis
 from auth.keys import hash_key, new_request_id
-from auth.redis_client import EmbeddedRedis, connect
+from auth.redis_client import connect
 from auth.resp_pipe import CommandPipe, encode_command
 from auth.store import KeyStore
 

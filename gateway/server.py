@@ -25,7 +25,7 @@ from pydantic import SecretStr
 from starlette.applications import Starlette
 from starlette.types import ASGIApp
 
-from auth.redis_client import DataDirInUseError
+from auth.embedded_redis import DataDirInUseError
 from gateway.app import create_app, load_routing_for
 from gateway.client_address import ForwardedClientMiddleware, forwarded_allow_ips
 from gateway.http_limits import protocol_options
@@ -53,8 +53,8 @@ def build_app(settings: Settings) -> Starlette:
     redis-server under the data directory), the master key (generated on first start when not configured) and
     the admin API."""
     from auth.access import AccessConfig, RedisAccess
+    from auth.embedded_redis import RedisConnection
     from auth.master_key import resolve_master_key
-    from auth.redis_client import RedisConnection
     from auth.store import KeyStore
     from gateway.routes.admin import admin_routes
 
@@ -152,8 +152,8 @@ def uvicorn_config(settings: Settings) -> uvicorn.Config:
 
 
 def run(settings: Settings) -> None:
+    from auth.embedded_redis import EmbeddedRedis
     from auth.master_key import resolve_master_key
-    from auth.redis_client import EmbeddedRedis
 
     configure_logging(settings.log_level, settings.log_format)
     check_master_key(settings)  # before anything is started or written

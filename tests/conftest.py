@@ -59,7 +59,7 @@ def redis_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         return
     from fakes.redis_topologies import LocalCluster, LocalSentinel
 
-    from auth.redis_client import EmbeddedRedis
+    from auth.embedded_redis import EmbeddedRedis
 
     directory = tmp_path_factory.mktemp("redis")
     server: EmbeddedRedis | LocalCluster | LocalSentinel

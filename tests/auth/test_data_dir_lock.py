@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis as sync_redis
 
-from auth.redis_client import DataDirInUseError, EmbeddedRedis
+from auth.embedded_redis import DataDirInUseError, EmbeddedRedis
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ def test_a_second_owner_is_refused_and_the_first_keeps_serving(tmp_path: Path) -
 def test_the_lock_dies_with_its_owner(tmp_path: Path) -> None:
     """An owner killed with SIGKILL leaves no stale lock (the kernel drops it), so a restart needs no clean-up."""
     script = (
-        "import sys, time; from pathlib import Path; from auth.redis_client import EmbeddedRedis; "
+        "import sys, time; from pathlib import Path; from auth.embedded_redis import EmbeddedRedis; "
         f"s = EmbeddedRedis(Path({str(tmp_path)!r})); s.start(); print('up', flush=True); time.sleep(60)"
     )
     owner = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import redis as sync_redis
 
+from auth.embedded_redis import EmbeddedRedis
 from auth.master_key import resolve_master_key
-from auth.redis_client import EmbeddedRedis
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,7 +108,7 @@ def test_the_master_key_file_is_owner_only_with_an_external_redis_too(tmp_path: 
 def orphan(tmp_path: Path) -> Iterator[int]:
     """An embedded Redis on `tmp_path` whose owner process was killed with SIGKILL: the server's pid."""
     script = (
-        "import sys, time; from pathlib import Path; from auth.redis_client import EmbeddedRedis; "
+        "import sys, time; from pathlib import Path; from auth.embedded_redis import EmbeddedRedis; "
         f"s = EmbeddedRedis(Path({str(tmp_path)!r})); s.start(); print('up', flush=True); time.sleep(60)"
     )
     owner = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -149,3 +149,16 @@ def test_a_clean_stop_shuts_down_the_orphaned_server_it_attached_to(tmp_path: Pa
             client.close()
     finally:
         again.stop()
+
+
+def test_the_embedded_server_snapshots_and_appends(tmp_path: Path) -> None:
+    server = EmbeddedRedis(tmp_path / "redis")
+    client = sync_redis.Redis.from_url(server.start())
+    try:
+        assert client.config_get("save") == {"save": "60 1"}  # RDB: a snapshot a minute after any write
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        client.set("k", "v")
+    finally:
+        client.close()
+        server.stop()  # SIGTERM: with snapshots on, Redis writes the RDB file as it exits
+    assert (tmp_path / "redis" / "redis.rdb").is_file()

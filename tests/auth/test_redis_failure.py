@@ -13,7 +13,8 @@ import pytest
 from fakes.net import free_port
 
 from auth.base import SettleUsage
-from auth.redis_client import EmbeddedRedis, connect
+from auth.embedded_redis import EmbeddedRedis
+from auth.redis_client import connect
 from auth.scripts import DEFAULT_SCRIPTS
 from auth.store import KeyStore
 from gateway.errors import GatewayError, LimitError, UnavailableError

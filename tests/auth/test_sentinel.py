@@ -1,5 +1,5 @@
-"""Redis Sentinel for real (a primary, a replica and a Sentinel from the bundled redis-server), the URL forms, and
-/health/ready's write probe against a read-only replica."""
+"""Redis Sentinel for real (a primary, a replica and a Sentinel from the bundled redis-server) and /health/ready's
+write probe against a read-only replica (the URL forms: test_redis_client.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from fakes.instances import gateway_instances
 from fakes.redis_topologies import LocalSentinel, RedisProcess, wait_until
 
-from auth.redis_client import RedisTarget, connect, is_writable, parse_redis_url
+from auth.redis_client import connect, is_writable
 from auth.store import KeyStore
 from gateway.errors import UnavailableError
 
@@ -25,47 +25,6 @@ def sentinel(tmp_path: Path) -> Iterator[LocalSentinel]:
     local.start()
     yield local
     local.stop()
-
-
-@pytest.mark.parametrize(
-    ("url", "expected"),
-    [
-        ("redis://h:1/2", RedisTarget("standalone", url="redis://h:1/2")),
-        ("unix:///tmp/r.sock", RedisTarget("standalone", url="unix:///tmp/r.sock")),
-        (
-            "redis+sentinel://s1:26379,s2:26380/mymaster/3",
-            RedisTarget("sentinel", nodes=(("s1", 26379), ("s2", 26380)), service="mymaster", db=3),
-        ),
-        (
-            "rediss+sentinel://u:p%40ss@s1:1/svc",
-            RedisTarget("sentinel", nodes=(("s1", 1),), service="svc", username="u", password="p@ss", is_tls=True),
-        ),
-        (
-            "redis+cluster://:secret@n1:7000,n2:7001/0",
-            RedisTarget("cluster", nodes=(("n1", 7000), ("n2", 7001)), password="secret"),
-        ),
-        ("redis+cluster://[::1]:7000", RedisTarget("cluster", nodes=(("::1", 7000),))),
-    ],
-)
-def test_url_forms(url: str, expected: RedisTarget) -> None:
-    assert parse_redis_url(url) == expected
-
-
-@pytest.mark.parametrize(
-    ("url", "message"),
-    [
-        ("redis+sentinel://s1:26379", "no service name"),
-        ("redis+sentinel://s1:26379/svc/x", "/service/db"),
-        ("redis+cluster://n1:7000/1", "only database 0"),
-        ("redis+cluster://n1/0", "'n1' is not host:port"),
-        ("redis+swarm://n1:1", "unknown scheme"),
-        ("localhost:6379", "no scheme"),
-    ],
-)
-def test_bad_urls_say_what_is_expected(url: str, message: str) -> None:
-    with pytest.raises(ValueError, match="redis\\+sentinel://host:port") as caught:
-        parse_redis_url(url)
-    assert message in str(caught.value)
 
 
 async def test_the_client_follows_a_failover_and_loses_no_acknowledged_write(sentinel: LocalSentinel) -> None:

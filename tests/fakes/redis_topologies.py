@@ -21,7 +21,7 @@ from typing import Any
 
 import redis as sync_redis
 
-from auth.redis_client import redis_server_binary
+from auth.embedded_redis import redis_server_binary
 from fakes.net import free_port
 
 __all__ = ["LocalCluster", "LocalSentinel", "RedisProcess", "wait_until"]
