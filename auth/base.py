@@ -131,11 +131,22 @@ class UpstreamLimiter(Protocol):
 
 @runtime_checkable
 class AccessStats(Protocol):
-    """Counters an access control may keep for /metrics (the Redis-backed one does)."""
+    """Counters an access control may keep for /metrics (the Redis-backed one does), read at scrape time."""
 
-    num_storage_errors: int  # Redis calls that failed for the store itself
-    num_limit_bypasses: int  # requests served without their limits checked (Redis down, failure mode)
-    num_script_errors: dict[str, int]  # our own script bugs, by script name
+    @property
+    def num_storage_errors(self) -> int:
+        """Redis calls that failed for the store itself."""
+        ...
+
+    @property
+    def num_limit_bypasses(self) -> int:
+        """Requests served without their limits checked (Redis down, failure mode)."""
+        ...
+
+    @property
+    def num_script_errors(self) -> dict[str, int]:
+        """Our own script bugs, by script name."""
+        ...
 
 
 def extract_credential(headers: Mapping[str, str]) -> str:

@@ -2,11 +2,11 @@
 requests are in flight across every gateway instance; the rest wait in a cluster-wide FIFO.
 
 `RedisAccess` builds one (`RedisAccess.upstream_limiter`) on its own Redis client, command pipe and script set,
-and owns it (`RedisAccess.aclose()` closes it). The limiter reports its Redis failures to the access control
-through `StorageFailures`, so one fast-fail window, one set of counters and one log cover the whole connection:
-Redis down → the lease is granted without a cap (logged, counted as a limit bypass); Redis answering as a read-only
-replica or with a redirection not followed to its end → 503 `limits_unavailable`; a script error → 500
-`internal_error` (counted per script, never a bypass).
+and owns it (`RedisAccess.aclose()` closes it). The limiter reports its Redis failures through `StorageFailures`
+(the access control's `FailurePolicy`), so one fast-fail window, one set of counters and one log cover the whole
+connection: Redis down → the lease is granted without a cap (logged, counted as a limit bypass); Redis answering
+as a read-only replica or with a redirection not followed to its end → 503 `limits_unavailable`; a script error →
+500 `internal_error` (counted per script, never a bypass).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ _HANDOFF_TTL_MS = 5_000  # a slot handed to a waiter that never confirms it free
 
 
 class StorageFailures(Protocol):
-    """Where the limiter reports what went wrong with Redis (`RedisAccess`, which shares the connection)."""
+    """Where the limiter reports what went wrong with Redis (`FailurePolicy`, shared with the access control)."""
 
     def check_redis_up(self) -> None:
         """Raise `StorageError` without asking Redis while it failed moments ago (the fast-fail window)."""

@@ -31,7 +31,7 @@ _SINGLE_SERVER_ONLY = {
     "tests/auth/test_accounting_model.py::test_accounting_matches_the_reference_model": (
         "its test clock is a key the scripts do not declare, which a cluster node refuses outside its own slots"
     ),
-    "tests/auth/test_admission.py::test_settles_queued_together_share_one_script_call_and_add_up": (
+    "tests/auth/test_settle_batch.py::test_settles_queued_together_share_one_script_call_and_add_up": (
         "counts one server's EVALSHA calls (CONFIG RESETSTAT, INFO commandstats)"
     ),
     "tests/auth/test_resp_pipe.py::test_a_batch_gets_its_replies_in_order_and_an_error_reply_fails_only_its_command": (

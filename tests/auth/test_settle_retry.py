@@ -53,6 +53,6 @@ async def test_memory_and_time_are_bounded(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_retries_end_before_the_settle_markers_do() -> None:
     """A settle that reached Redis before its reply was lost must not count twice: retries stop in time."""
-    from auth.access import _MARKER_TTL_MS
+    from auth.settle_batch import _MARKER_TTL_MS
 
     assert settle_retry.RETRY_FOR_S + 2 * settle_retry.RETRY_INTERVAL_S < _MARKER_TTL_MS / 1000

@@ -1,0 +1,128 @@
+"""The keys this instance has verified, by key hash: what `admit` sends the script (the key's id and record version,
+so a known key costs no GET) and what `authenticate` and a Redis outage are served from.
+
+An entry is fresh for `ttl_s` after Redis last verified it. An admin's change to a key is published on
+`ug:events` (auth/store.py); the listener drops that key's entries at once, and after any gap in its subscription
+drops them all (events may have been missed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from auth import redis_names
+from auth.base import Principal
+from auth.redis_client import RedisClient, subscribe
+from auth.rejections import expired_error, revoked_error
+from auth.store import KeyRecord
+from auth.upstream import cancel_until_done
+
+__all__ = ["CachedKey", "KeyCache"]
+
+_MAX_CACHED_KEYS = 10_000
+
+
+@dataclass(slots=True)
+class CachedKey:
+    key_id: str
+    version: int
+    principal: Principal
+    expires_at_ms: int | None
+    is_revoked: bool
+    verified_at: float  # monotonic time of the last verification against Redis
+    # A budget or a TPM limit: the next admission (on any instance) reads what this key's settles write.
+    reads_its_settles: bool = False
+
+    def check(self) -> None:
+        """Raise if the cached record itself says no (used when Redis cannot be asked)."""
+        if self.is_revoked:
+            raise revoked_error()
+        if self.expires_at_ms is not None and self.expires_at_ms <= time.time() * 1000:
+            raise expired_error()
+
+
+class KeyCache:
+    """Verified keys by hash, at most `_MAX_CACHED_KEYS` (the oldest goes first). `start()` listens for key
+    changes, `aclose()` stops listening."""
+
+    def __init__(self, redis: RedisClient, *, ttl_s: float) -> None:
+        self._redis = redis
+        self._ttl_s = ttl_s
+        self._entries: dict[str, CachedKey] = {}
+        self._listener: asyncio.Task[None] | None = None
+        self._is_closing = False
+
+    def get(self, key_hash: str) -> CachedKey | None:
+        return self._entries.get(key_hash)
+
+    def is_fresh(self, cached: CachedKey | None) -> bool:
+        """Verified against Redis less than `ttl_s` ago (False for no entry)."""
+        return cached is not None and time.monotonic() - cached.verified_at < self._ttl_s
+
+    def remember(self, key_hash: str, record: KeyRecord) -> CachedKey:
+        """Cache `record` as verified now (replacing what was cached under `key_hash`)."""
+        cached = CachedKey(
+            key_id=record.id,
+            version=record.version,
+            principal=Principal(key_id=record.id, name=record.name, models=record.models),
+            expires_at_ms=record.expires_at_ms,
+            is_revoked=record.is_revoked,
+            verified_at=time.monotonic(),
+            reads_its_settles=any(
+                limit is not None and limit >= 0 for limit in (record.tpm, record.token_budget, record.budget_micros)
+            ),
+        )
+        self._entries.pop(key_hash, None)
+        if len(self._entries) >= _MAX_CACHED_KEYS:
+            del self._entries[next(iter(self._entries))]
+        self._entries[key_hash] = cached
+        return cached
+
+    def forget(self, key_hash: str) -> None:
+        """Drop a hash Redis no longer knows (a rotated or deleted key)."""
+        self._entries.pop(key_hash, None)
+
+    def invalidate(self, key_id: str) -> None:
+        """Drop every entry of a key that changed."""
+        for key_hash in [h for h, cached in self._entries.items() if cached.key_id == key_id]:
+            del self._entries[key_hash]
+
+    def start(self) -> None:
+        if self._listener is None:
+            self._listener = asyncio.create_task(self._listen(), name="unigate-key-events")
+
+    async def aclose(self) -> None:
+        self._is_closing = True  # the listener also checks it at least once a second
+        if self._listener is not None:
+            await cancel_until_done({self._listener}, timeout_s=3.0)
+        self._listener = None
+
+    async def _listen(self) -> None:
+        """Drop cached keys on `ug:events`; after any gap in the subscription drop them all (events were missed)."""
+        backoff_s = 0.1
+        has_subscribed = False
+        while not self._is_closing:
+            pubsub = None
+            try:
+                pubsub = await subscribe(self._redis, redis_names.EVENTS_CHANNEL)
+                if has_subscribed:
+                    self._entries.clear()
+                has_subscribed = True
+                backoff_s = 0.1
+                while not self._is_closing:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if message is not None:
+                        self.invalidate(message["data"].decode())
+            except (TimeoutError, RedisError, OSError):
+                pass
+            finally:
+                if pubsub is not None:
+                    with contextlib.suppress(RedisError, OSError):
+                        await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, 2.0)
