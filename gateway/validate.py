@@ -1,10 +1,15 @@
-"""Edge validation of the request fields every route family shares, one validator per concept.
+"""Edge validation of request bodies: each route's shape checks, and the fields every family shares, one validator
+per concept.
 
-    require_model(body)       `model`, on every route
-    check_chat(body)          /v1/chat/completions
-    check_completions(body)   /v1/completions
-    check_messages(body)      /v1/messages
-    check_responses(body)     /v1/responses
+    model = check_chat_request(body)           /v1/chat/completions: `model`, the shared fields, `messages`
+    model = check_completions_request(body)    /v1/completions: `model`, the shared fields, `prompt`
+    model = check_embeddings_request(body)     /v1/embeddings: `model`, `input`
+    model = check_messages_request(body)       /v1/messages: `model`, the shared fields, `messages`
+    model = check_count_tokens_request(body)   /v1/messages/count_tokens: `model`, `messages`
+    model = check_responses_request(body)      /v1/responses: `model`, the shared fields
+
+Each route calls its one `check_*_request`, which runs `require_model` (once per request) and that family's field
+table (`check_chat`, `check_completions`, `check_messages`, `check_responses`).
 
 The families name some concepts differently (the output limit is `max_tokens`, `max_completion_tokens` or
 `max_output_tokens`; stop strings are `stop` or `stop_sequences`; Anthropic's end user is `metadata.user_id`), so
@@ -40,9 +45,15 @@ __all__ = [
     "MAX_TOP_K",
     "MAX_TOP_LOGPROBS",
     "check_chat",
+    "check_chat_request",
     "check_completions",
+    "check_completions_request",
+    "check_count_tokens_request",
+    "check_embeddings_request",
     "check_messages",
+    "check_messages_request",
     "check_responses",
+    "check_responses_request",
     "count_prompts",
     "require_model",
 ]
@@ -81,6 +92,113 @@ def require_model(body: Mapping[str, Any]) -> str:
             param="model",
         )
     return model
+
+
+# ---------------------------------------------------------------- each route's request, checked once
+
+
+def check_chat_request(body: Mapping[str, Any]) -> str:
+    model = require_model(body)
+    check_chat(body)
+    _check_chat_messages(body)
+    return model
+
+
+def check_completions_request(body: Mapping[str, Any]) -> str:
+    model = require_model(body)
+    check_completions(body)
+    _require_input(body, "prompt", '"Once upon a time"')
+    return model
+
+
+def check_embeddings_request(body: Mapping[str, Any]) -> str:
+    model = require_model(body)
+    _require_input(body, "input", '"text to embed"')
+    return model
+
+
+def check_messages_request(body: Mapping[str, Any]) -> str:
+    model = require_model(body)
+    check_messages(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError(
+            '`messages` must be a non-empty list like [{"role": "user", "content": "Hi"}].', param="messages"
+        )
+    return model
+
+
+def check_count_tokens_request(body: Mapping[str, Any]) -> str:
+    model = require_model(body)
+    if not isinstance(body.get("messages"), list):
+        raise InvalidRequestError("`messages` must be a list of {role, content} objects.", param="messages")
+    return model
+
+
+def check_responses_request(body: Mapping[str, Any]) -> str:
+    model = require_model(body)
+    check_responses(body)
+    return model
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def _refuse(message: str, param: str) -> InvalidRequestError:
+    return InvalidRequestError(message, code="invalid_request", param=param)
+
+
+def _check_chat_messages(body: Mapping[str, Any]) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        what = "missing" if messages is None else "not a non-empty list"
+        raise _refuse(f'`messages` is {what}. Send a list like [{{"role": "user", "content": "Hi"}}].', "messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise _refuse(f"`messages[{index}]` must be an object with a string `role`.", f"messages[{index}].role")
+        if message["role"] not in _ROLES:
+            roles = ", ".join(f"'{role}'" for role in _ROLES)
+            raise _refuse(f"`messages[{index}].role` must be one of {roles}.", f"messages[{index}].role")
+        _check_tool_calls(message.get("tool_calls"), f"messages[{index}].tool_calls")
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
+            param = f"messages[{index}].content"
+            raise _refuse(f"`{param}` must be a string or a list of content part objects.", param)
+        for position, part in enumerate(content):
+            if part.get("type") == "text" and not isinstance(part.get("text"), str):
+                param = f"messages[{index}].content[{position}].text"
+                raise _refuse(f"`{param}` must be a string.", param)
+
+
+def _check_tool_calls(tool_calls: Any, param: str) -> None:
+    """An assistant message's `tool_calls`: objects whose `function` has a string `name` and `arguments`."""
+    if tool_calls is None:
+        return
+    if not isinstance(tool_calls, list):
+        raise _refuse(f"`{param}` must be a list of tool call objects.", param)
+    for position, call in enumerate(tool_calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _refuse(
+                f"`{param}[{position}]` must be an object with a `function` holding a string `name`.",
+                f"{param}[{position}]",
+            )
+        if not isinstance(function.get("arguments", ""), str):
+            where = f"{param}[{position}].function.arguments"
+            raise _refuse(f"`{where}` must be a string (the arguments' JSON text).", where)
+
+
+def _require_input(body: Mapping[str, Any], name: str, example: str) -> None:
+    """`prompt` / `input`: a string or a non-empty list (its items are the estimate's and the backend's business)."""
+    value = body.get(name)
+    if not (isinstance(value, str) or (isinstance(value, list) and value)):
+        what = "missing" if value is None else "not a string or a non-empty list"
+        raise _refuse(f'`{name}` is {what}. Send e.g. "{name}": {example}.', name)
+
+
+# ---------------------------------------------------------------- each family's field table
 
 
 def check_chat(body: Mapping[str, Any]) -> None:

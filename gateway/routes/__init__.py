@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 from gateway.routes.health import health_routes
-from gateway.routes.openai import JSONBytesResponse, openai_routes, read_json_body, require_model
+from gateway.routes.openai import JSONBytesResponse, openai_routes, read_json_body
 
-__all__ = ["JSONBytesResponse", "health_routes", "openai_routes", "read_json_body", "require_model"]
+__all__ = ["JSONBytesResponse", "health_routes", "openai_routes", "read_json_body"]

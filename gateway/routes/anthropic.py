@@ -13,12 +13,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from backends.base import CountsPromptTokens, Endpoint, Json
+from backends.base import CountsPromptTokens, Endpoint
+from gateway.call_context import call_context
 from gateway.errors import GatewayError, InvalidRequestError
 from gateway.estimates import estimate_prompt_tokens
-from gateway.pipeline import open_call, request_id_of, serves_natively
-from gateway.router import Router
-from gateway.routes.openai import JSONBytesResponse, authenticate, forwarding, read_json_body
+from gateway.pipeline import open_call, serves_natively
+from gateway.routes.openai import JSONBytesResponse, read_json_body
 from gateway.sse import EventStreamResponse, encode_event, encode_events
 from gateway.translate.anthropic import (
     chat_chunks_to_events,
@@ -29,7 +29,7 @@ from gateway.translate.anthropic import (
 )
 from gateway.translate.anthropic_meta import anthropic_headers, anthropic_model_list
 from gateway.translate.sse import with_keepalive
-from gateway.validate import check_messages, require_model
+from gateway.validate import check_count_tokens_request, check_messages_request
 
 __all__ = ["anthropic_headers", "anthropic_model_list", "routes"]
 
@@ -38,26 +38,25 @@ _PING = encode_event("ping", {"type": "ping"})
 
 
 async def create_message(request: Request) -> Response:
-    body = await read_json_body(request)  # 401 for a bad key, before any work on the body
-    model = require_model(body)
-    stream = _check_body(body)
-    is_native = serves_natively(request, model, "messages")
+    context = await call_context(request)  # 401 for a bad key, before any work on the body
+    body = await read_json_body(request)
+    model = check_messages_request(body)
+    stream = bool(body.get("stream"))
+    is_native = serves_natively(context.router, model, "messages")
     if is_native:
         endpoint: Endpoint = "messages"
         upstream_body = body
     else:
         endpoint, upstream_body = "chat/completions", messages_to_chat(body)
-    with forwarding(request):
-        call = await open_call(request, endpoint=endpoint, body=upstream_body, model=model, stream=stream)
+    call = await open_call(context, endpoint=endpoint, body=upstream_body, model=model, stream=stream)
     if not stream:
-        with forwarding(request):
-            data = await call.json()
+        data = await call.json()
         if not is_native:
             data = chat_to_message(data, model=call.served_model, stop_sequences=body.get("stop_sequences"))
         # (after the answer: it may add headers, e.g. x-unigate-max-tokens-clamped)
-        headers = anthropic_headers(call.headers, request_id=request_id_of(request))
+        headers = anthropic_headers(call.headers, request_id=context.request_id)
         return JSONBytesResponse(orjson.dumps(data), headers=headers)
-    headers = anthropic_headers(call.headers, request_id=request_id_of(request))
+    headers = anthropic_headers(call.headers, request_id=context.request_id)
     if is_native:
         events = guard_events(call.chunks())
     else:
@@ -75,23 +74,18 @@ async def count_tokens(request: Request) -> Response:
     """Exact counts from an Anthropic upstream, and from the local engine (the model's chat template and tokenizer,
     as the request would be billed); elsewhere the gateway's estimate (characters / 4), marked `"estimated": true`.
     Clients use this to decide when a conversation nears the context limit."""
+    context = await call_context(request)
     body = await read_json_body(request)
-    model = require_model(body)
-    if not isinstance(body.get("messages"), list):
-        raise InvalidRequestError("`messages` must be a list of {role, content} objects.", param="messages")
-    headers = {"request-id": request_id_of(request)}
-    if serves_natively(request, model, "messages/count_tokens"):
-        with forwarding(request):
-            call = await open_call(request, endpoint="messages/count_tokens", body=body, model=model, stream=False)
-            data = await call.json()
+    model = check_count_tokens_request(body)
+    headers = {"request-id": context.request_id}
+    if serves_natively(context.router, model, "messages/count_tokens"):
+        call = await open_call(context, endpoint="messages/count_tokens", body=body, model=model, stream=False)
+        data = await call.json()
         return JSONBytesResponse(orjson.dumps(data), headers=headers)
-    router: Router = request.app.state.router
-    principal = await authenticate(request)  # verified by read_json_body: from the cache
-    target = router.resolve(model, visible=principal.may_use)  # 404 for models this caller may not see or use
+    target = context.router.resolve(model, visible=context.principal.may_use)  # 404: models it may not see or use
     counters = [d.backend for d in target.route.deployments if isinstance(d.backend, CountsPromptTokens)]
     if counters and len(counters) == len(target.route.deployments):
-        with forwarding(request):
-            num_tokens = await counters[0].count_prompt_tokens(messages_to_chat(body))
+        num_tokens = await counters[0].count_prompt_tokens(messages_to_chat(body))
         return JSONBytesResponse(orjson.dumps({"input_tokens": num_tokens}), headers=headers)
     num_tokens = estimate_prompt_tokens("messages", body) + _tools_chars(body.get("tools")) // 4
     return JSONBytesResponse(orjson.dumps({"input_tokens": num_tokens, "estimated": True}), headers=headers)
@@ -102,16 +96,6 @@ def _tools_chars(tools: object) -> int:
         return len(orjson.dumps(tools or []))
     except orjson.JSONEncodeError:  # nested deeper than orjson writes (254 levels)
         raise InvalidRequestError("`tools` is nested too deeply.", code="invalid_request", param="tools") from None
-
-
-def _check_body(body: Json) -> bool:
-    check_messages(body)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError(
-            '`messages` must be a non-empty list like [{"role": "user", "content": "Hi"}].', param="messages"
-        )
-    return bool(body.get("stream"))
 
 
 def _error_tail(error: GatewayError) -> bytes:

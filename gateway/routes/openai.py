@@ -1,14 +1,15 @@
 """OpenAI-compatible endpoints, all built on `gateway.pipeline.open_call`.
 
-The caller's key is verified first: an unknown key costs no body work. The body is then parsed once with orjson;
-only what routing and accounting need (the presence and shape of `messages` / `prompt` / `input`) and the fields
-every family shares (`model`, sampling, tools: `gateway.validate`) are checked; everything else is forwarded as is.
+The caller's key is verified first (`call_context`): an unknown key costs no body work. The body is then parsed once
+with orjson; only what routing and accounting need (the presence and shape of `messages` / `prompt` / `input`) and
+the fields every family shares (`model`, sampling, tools) are checked, by the route's one `gateway.validate` check;
+everything else is forwarded as is.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from contextlib import aclosing, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import orjson
@@ -19,17 +20,17 @@ from starlette.types import Receive, Scope, Send
 
 from auth.base import AccessControl, Principal, extract_credential
 from backends.base import Endpoint, Json, ReportsEngineStats
-from gateway.disconnect import watch_disconnect
+from gateway.call_context import CallContext, call_context
 from gateway.errors import InvalidRequestError
 from gateway.pipeline import Call, open_call
 from gateway.router import ModelRoute, Router
 from gateway.settings import Settings
 from gateway.sse import DONE, EventStreamResponse, encode_data
 from gateway.translate.anthropic_meta import anthropic_model_list
-from gateway.validate import check_chat, check_completions, require_model
+from gateway.validate import check_chat_request, check_completions_request, check_embeddings_request
 from gateway.wildcard_models import WildcardModels
 
-__all__ = ["JSONBytesResponse", "authenticate", "forwarding", "openai_routes", "read_json_body", "require_model"]
+__all__ = ["JSONBytesResponse", "authenticate", "openai_routes", "read_json_body"]
 
 
 class JSONBytesResponse(Response):
@@ -48,10 +49,9 @@ async def authenticate(request: Request) -> Principal:
 async def read_json_body(request: Request) -> Json:
     """The body as a JSON object; 400 `invalid_json` with the parse position otherwise.
 
-    The key is verified first (`authenticate`: 401), before the body is read: a misconfigured client learns about
-    its key before it learns about its payload, and a caller without a valid key costs no parsing, translation or
-    estimation work. The admission in `open_call` verifies the key again, from the in-process cache."""
-    await authenticate(request)
+    Verify the key before (`call_context` or `authenticate`: 401): a misconfigured client learns about its key
+    before it learns about its payload, and a caller without a valid key costs no parsing, translation or
+    estimation work."""
     raw = await request.body()
     try:
         body = orjson.loads(raw)
@@ -68,72 +68,9 @@ async def read_json_body(request: Request) -> Json:
     return body
 
 
-@contextmanager
-def forwarding(request: Request) -> Iterator[None]:
-    """Around the upstream waits of a route (`open_call`, `Call.json`): a client that goes away before the
-    response starts cancels them (see gateway/disconnect.py)."""
-    with watch_disconnect(request.receive):
-        yield
-
-
-def _invalid(message: str, param: str) -> InvalidRequestError:
-    return InvalidRequestError(message, code="invalid_request", param=param)
-
-
-def _check_messages(body: Json) -> None:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        what = "missing" if messages is None else "not a non-empty list"
-        raise _invalid(f'`messages` is {what}. Send a list like [{{"role": "user", "content": "Hi"}}].', "messages")
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise _invalid(f"`messages[{index}]` must be an object with a string `role`.", f"messages[{index}].role")
-        if message["role"] not in _ROLES:
-            roles = ", ".join(f"'{role}'" for role in _ROLES)
-            raise _invalid(f"`messages[{index}].role` must be one of {roles}.", f"messages[{index}].role")
-        _check_tool_calls(message.get("tool_calls"), f"messages[{index}].tool_calls")
-        content = message.get("content")
-        if content is None or isinstance(content, str):
-            continue
-        if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
-            param = f"messages[{index}].content"
-            raise _invalid(f"`{param}` must be a string or a list of content part objects.", param)
-        for position, part in enumerate(content):
-            if part.get("type") == "text" and not isinstance(part.get("text"), str):
-                param = f"messages[{index}].content[{position}].text"
-                raise _invalid(f"`{param}` must be a string.", param)
-
-
-_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-
-
-def _check_tool_calls(tool_calls: Any, param: str) -> None:
-    """An assistant message's `tool_calls`: objects whose `function` has a string `name` and `arguments`."""
-    if tool_calls is None:
-        return
-    if not isinstance(tool_calls, list):
-        raise _invalid(f"`{param}` must be a list of tool call objects.", param)
-    for position, call in enumerate(tool_calls):
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise _invalid(
-                f"`{param}[{position}]` must be an object with a `function` holding a string `name`.",
-                f"{param}[{position}]",
-            )
-        if not isinstance(function.get("arguments", ""), str):
-            where = f"{param}[{position}].function.arguments"
-            raise _invalid(f"`{where}` must be a string (the arguments' JSON text).", where)
-
-
-def _check_present(body: Json, name: str, example: str) -> None:
-    value = body.get(name)
-    if not (isinstance(value, str) or (isinstance(value, list) and value)):
-        what = "missing" if value is None else "not a string or a non-empty list"
-        raise _invalid(f'`{name}` is {what}. Send e.g. "{name}": {example}.', name)
-
-
 class _SettleAfterResponse(JSONBytesResponse):
-    """Sends the body, then settles the call (`Call.settle_after_response`), whatever happened while sending."""
+    """Sends the body, then settles the call (`open_call(settle_after_response=True)`), whatever happened while
+    sending."""
 
     def __init__(self, content: bytes, *, headers: dict[str, str], call: Call) -> None:
         super().__init__(content, headers=headers)
@@ -146,15 +83,14 @@ class _SettleAfterResponse(JSONBytesResponse):
             await self.call.aclose()
 
 
-async def _respond(request: Request, endpoint: Endpoint, body: Json, stream: bool) -> Response:
-    with forwarding(request):
-        call = await open_call(request, endpoint=endpoint, body=body, model=require_model(body), stream=stream)
-    is_late = call.settle_after_response()
+async def _respond(context: CallContext, endpoint: Endpoint, body: Json, model: str, stream: bool) -> Response:
+    call = await open_call(
+        context, endpoint=endpoint, body=body, model=model, stream=stream, settle_after_response=True
+    )
     if stream:
         return EventStreamResponse(_encode(call), headers=call.headers, on_close=call.aclose)
-    with forwarding(request):
-        data = await call.json()
-    if is_late:
+    data = await call.json()
+    if call.settles_late:
         return _SettleAfterResponse(orjson.dumps(data), headers=call.headers, call=call)
     return JSONBytesResponse(orjson.dumps(data), headers=call.headers)
 
@@ -167,26 +103,24 @@ async def _encode(call: Call) -> AsyncIterator[bytes]:
 
 
 async def chat_completions(request: Request) -> Response:
+    context = await call_context(request)  # 401 for a bad key, before any work on the body
     body = await read_json_body(request)
-    require_model(body)
-    check_chat(body)
-    _check_messages(body)
-    return await _respond(request, "chat/completions", body, bool(body.get("stream")))
+    model = check_chat_request(body)
+    return await _respond(context, "chat/completions", body, model, bool(body.get("stream")))
 
 
 async def completions(request: Request) -> Response:
+    context = await call_context(request)
     body = await read_json_body(request)
-    require_model(body)
-    check_completions(body)
-    _check_present(body, "prompt", '"Once upon a time"')
-    return await _respond(request, "completions", body, bool(body.get("stream")))
+    model = check_completions_request(body)
+    return await _respond(context, "completions", body, model, bool(body.get("stream")))
 
 
 async def embeddings(request: Request) -> Response:
+    context = await call_context(request)
     body = await read_json_body(request)
-    require_model(body)
-    _check_present(body, "input", '"text to embed"')
-    return await _respond(request, "embeddings", body, False)
+    model = check_embeddings_request(body)
+    return await _respond(context, "embeddings", body, model, False)
 
 
 def _model_object(route: ModelRoute, created: int) -> Json:

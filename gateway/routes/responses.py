@@ -20,10 +20,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from backends.base import Json
+from gateway.call_context import call_context
 from gateway.errors import GatewayError, InvalidRequestError
 from gateway.pipeline import open_call, serves_natively
 from gateway.router import Router
-from gateway.routes.openai import JSONBytesResponse, forwarding, read_json_body
+from gateway.routes.openai import JSONBytesResponse, read_json_body
 from gateway.sse import EventStreamResponse, encode_event, encode_events
 from gateway.translate.common import Event
 from gateway.translate.responses import (
@@ -33,7 +34,7 @@ from gateway.translate.responses import (
     responses_to_chat,
 )
 from gateway.translate.sse import with_keepalive
-from gateway.validate import check_responses, require_model
+from gateway.validate import check_responses_request
 
 __all__ = ["routes"]
 
@@ -42,23 +43,22 @@ _KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: the Responses protocol has n
 
 
 async def create_response(request: Request) -> Response:
-    body = await read_json_body(request)  # 401 for a bad key, before any work on the body
-    model = require_model(body)
-    check_responses(body)
+    context = await call_context(request)  # 401 for a bad key, before any work on the body
+    body = await read_json_body(request)
+    model = check_responses_request(body)
     stream = bool(body.get("stream"))
-    if serves_natively(request, model, "responses"):
-        if not _allows_stored_responses(request, model):
+    if serves_natively(context.router, model, "responses"):
+        if not _allows_stored_responses(context.router, model):
             body = _without_stored_state(body)
-        with forwarding(request):
-            call = await open_call(request, endpoint="responses", body=body, model=model, stream=stream)
-            data = None if stream else await call.json()
+        call = await open_call(context, endpoint="responses", body=body, model=model, stream=stream)
+        data = None if stream else await call.json()
         if data is not None:
             return JSONBytesResponse(orjson.dumps(data), headers=call.headers)
         events = _named(call.chunks())
     else:
         chat = responses_to_chat(_without_stored_state(body))  # a translation keeps no state either
-        with forwarding(request), _named_as_input():
-            call = await open_call(request, endpoint="chat/completions", body=chat, model=model, stream=stream)
+        with _named_as_input():
+            call = await open_call(context, endpoint="chat/completions", body=chat, model=model, stream=stream)
             data = None if stream else await call.json()
         served = {**body, "model": call.served_model}  # the answer names the model that served (a fallback's id)
         if data is not None:
@@ -84,8 +84,7 @@ def _named_as_input() -> Iterator[None]:
 _STORED_STATE = ("previous_response_id", "conversation")
 
 
-def _allows_stored_responses(request: Request, model: str) -> bool:
-    router: Router = request.app.state.router
+def _allows_stored_responses(router: Router, model: str) -> bool:
     target = router.find(model)
     return target is not None and all(d.config.allow_stored_responses for d in target.route.deployments)
 

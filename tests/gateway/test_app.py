@@ -216,13 +216,15 @@ async def test_pipeline_serves_other_families_untouched(fake_upstream: FakeUpstr
     from starlette.routing import Route
 
     from gateway.app import create_app
+    from gateway.call_context import call_context
     from gateway.pipeline import open_call, serves_natively
     from gateway.routing_config import parse_routing
 
     async def messages(request: Request) -> Response:
+        context = await call_context(request)
         body = await request.json()
-        assert serves_natively(request, body["model"], "messages")
-        call = await open_call(request, endpoint="messages", body=body, model=body["model"], stream=True)
+        assert serves_natively(context.router, body["model"], "messages")
+        call = await open_call(context, endpoint="messages", body=body, model=body["model"], stream=True)
         return JSONResponse([event async for event in call.chunks()], headers=call.headers)
 
     access = RecordingAccess(master_key=MASTER)

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gateway import validate
 from gateway.errors import InvalidRequestError
 from gateway.validate import (
     MAX_COMPLETION_LOGPROBS,
@@ -23,9 +24,15 @@ from gateway.validate import (
     MAX_TOP_K,
     MAX_TOP_LOGPROBS,
     check_chat,
+    check_chat_request,
     check_completions,
+    check_completions_request,
+    check_count_tokens_request,
+    check_embeddings_request,
     check_messages,
+    check_messages_request,
     check_responses,
+    check_responses_request,
     require_model,
 )
 
@@ -411,3 +418,60 @@ def test_model_must_be_a_non_empty_string(model: Any) -> None:
         require_model(body)
     assert (caught.value.code, caught.value.param) == ("invalid_request", "model")
     assert require_model({"model": "gpt-test"}) == "gpt-test"
+
+
+# --- each route's whole check: `model` once, then the family's fields, then the shape routing needs ---------------
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+REQUEST_CHECKS: list[tuple[Callable[[dict[str, Any]], str], dict[str, Any], str]] = [
+    (check_chat_request, {"messages": MESSAGES}, "messages"),
+    (check_completions_request, {"prompt": "Once"}, "prompt"),
+    (check_embeddings_request, {"input": "text"}, "input"),
+    (check_messages_request, {"messages": MESSAGES}, "messages"),
+    (check_count_tokens_request, {"messages": MESSAGES}, "messages"),
+    (check_responses_request, {"input": "Hi"}, ""),
+]
+
+
+@pytest.mark.parametrize(("check", "body", "shape_field"), REQUEST_CHECKS, ids=lambda v: getattr(v, "__name__", ""))
+def test_each_request_check_returns_the_model_checking_it_once(
+    check: Callable[[dict[str, Any]], str], body: dict[str, Any], shape_field: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[Any] = []
+    monkeypatch.setattr(validate, "require_model", lambda b: calls.append(b) or b["model"])
+    assert check({"model": "gpt-test", **body}) == "gpt-test"
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize(("check", "body", "shape_field"), REQUEST_CHECKS, ids=lambda v: getattr(v, "__name__", ""))
+def test_a_request_check_refuses_the_model_first_then_the_shape(
+    check: Callable[[dict[str, Any]], str], body: dict[str, Any], shape_field: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        check({**body, shape_field: None})
+    assert caught.value.param == "model"
+    if shape_field:
+        with pytest.raises(InvalidRequestError) as caught:
+            check({"model": "m", **body, shape_field: 5})
+        assert caught.value.param == shape_field
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"content": "Hi"}, "messages[0].role"),
+        ({"role": "robot", "content": "Hi"}, "messages[0].role"),
+        ({"role": "user", "content": 5}, "messages[0].content"),
+        ({"role": "user", "content": [{"type": "text", "text": 5}]}, "messages[0].content[0].text"),
+        ({"role": "assistant", "tool_calls": {}}, "messages[0].tool_calls"),
+        ({"role": "assistant", "tool_calls": [{"function": {}}]}, "messages[0].tool_calls[0]"),
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+    ],
+)
+def test_chat_messages_are_checked_where_routing_and_accounting_read_them(message: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        check_chat_request({"model": "m", "messages": [message]})
+    assert (caught.value.code, caught.value.param) == ("invalid_request", param)

@@ -16,9 +16,11 @@ from typing import Any
 
 import httpx
 import pytest
-from fakes.app import AUTH, build_app, deployment
+from fakes.app import AUTH, asgi_client, build_app, deployment, single_model
 from fakes.server import ThreadedServer
 from fakes.upstream import FakeUpstream
+
+from gateway import validate
 
 FAMILIES = ("chat", "messages", "responses")
 PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
@@ -215,3 +217,31 @@ def test_anthropic_tool_choice_is_an_object_not_a_string(gateway: Gateway) -> No
     response = post(gateway, "messages", body_with("messages", "tool_choice", "auto", "gpt-test"))
     assert response.status_code == 400
     assert error_of("messages", response)["param"] == "tool_choice"
+
+
+ROUTE_BODIES = [
+    ("/v1/chat/completions", {"messages": HI}),
+    ("/v1/completions", {"prompt": "Hi"}),
+    ("/v1/embeddings", {"input": "Hi"}),
+    ("/v1/messages", {"max_tokens": 16, "messages": HI}),
+    ("/v1/messages/count_tokens", {"messages": HI}),
+    ("/v1/responses", {"input": "Hi"}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), ROUTE_BODIES, ids=[path for path, _ in ROUTE_BODIES])
+async def test_model_is_checked_once_per_request(
+    fake_upstream: FakeUpstream, monkeypatch: pytest.MonkeyPatch, path: str, body: dict[str, Any]
+) -> None:
+    calls: list[str] = []
+    real = validate.require_model
+
+    def counting(body: Any) -> str:
+        calls.append(path)
+        return real(body)
+
+    monkeypatch.setattr(validate, "require_model", counting)
+    async with asgi_client(build_app(single_model(fake_upstream))) as client:
+        response = await client.post(path, json={"model": "gpt-test", **body}, headers=AUTH)
+    assert response.status_code == 200, response.text
+    assert calls == [path]
