@@ -44,7 +44,7 @@ def role(process: psutil.Process, parent: psutil.Process) -> str:
     command = " ".join(process.cmdline())
     if process.pid == parent.pid:
         return "parent"
-    if "gateway.engine_process" in command:
+    if "gateway.engine_host" in command or "gateway.engine_process" in command:  # (the latter: before issue 37)
         return "engine"
     if "redis-server" in command:
         return "redis"

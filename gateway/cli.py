@@ -44,7 +44,7 @@ def engine_serve(
     api_key: Annotated[str | None, typer.Option(envvar="UNIGATE_ENGINE_API_KEY", help="Require this key.")] = None,
 ) -> None:
     """Serve the local engine alone as an OpenAI-compatible server (route a gateway to it as `type: openai`)."""
-    from gateway.engine_server import serve_engine
+    from gateway.engine_host.http import serve_engine
     from gateway.logging import configure_logging
     from gateway.routing_config import RoutingConfigError
 

@@ -7,7 +7,7 @@ Shutdown on SIGTERM / SIGINT, in order:
      event (`server_shutting_down`) and `data: [DONE]`, never silently (`gateway.sse.EventStreamResponse`);
   4. the lifespan closes upstream pools / engines and access control (Redis);
   5. with several workers, once they have exited, the parent stops the engine processes they shared (one per
-     local deployment, `gateway.engine_process`), then the embedded Redis it started.
+     local deployment, `gateway.engine_host`), then the embedded Redis it started.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from gateway.routing_config import RoutingConfigError
 from gateway.settings import InvalidSettingsError, Settings, load_settings
 
 if TYPE_CHECKING:
-    from gateway.engine_process import EngineSupervisor
+    from gateway.engine_host.process import EngineSupervisor
 
 __all__ = ["MIN_MASTER_KEY_CHARS", "app_from_env", "build_app", "check_master_key", "run", "uvicorn_config"]
 
@@ -116,7 +116,7 @@ def app_from_env() -> ASGIApp:
     if settings.workers > 1:
         # A worker of `unigate serve --workers N` must not outlive a killed parent: the parent restarts the engine,
         # and a worker serving on without one would answer 503 forever while holding the port.
-        from gateway.engine_process import exit_with_parent
+        from gateway.engine_host.process import exit_with_parent
 
         exit_with_parent(os.getppid())
     try:
@@ -200,9 +200,9 @@ def run(settings: Settings) -> None:
 
 
 def _start_engines(settings: Settings) -> EngineSupervisor | None:
-    """One engine process per local deployment, shared by the workers (`gateway.engine_process`); the workers
+    """One engine process per local deployment, shared by the workers (`gateway.engine_host`); the workers
     learn their sockets from `_ENGINE_SOCKETS_ENV`."""
-    from gateway.engine_process import EngineStartError, EngineSupervisor
+    from gateway.engine_host.process import EngineStartError, EngineSupervisor
 
     engines = EngineSupervisor.for_routing(load_routing_for(settings), settings.data_dir, os.environ[_SETTINGS_ENV])
     if engines is None:

@@ -1,7 +1,9 @@
 """Dependencies point one way (shared/ARCHITECTURE.md): `gateway/` composes `auth/`, `backends/`, `local_engine/`
 and `bench/`; those never import `gateway/` (except its ground floor) nor each other, except the local backend,
 which adapts the engine. The import graph is read with `ast` (every `import` and `from ... import`, including
-imports inside functions and under TYPE_CHECKING), so an arrow that points up or sideways fails here.
+imports inside functions and under TYPE_CHECKING), so an arrow that points up or sideways fails here. The engine
+host's room has rules of its own: the engine process imports no web app, and it meets its client only in the
+protocol module.
 """
 
 from __future__ import annotations
@@ -81,3 +83,54 @@ def test_the_engine_core_never_imports_torch() -> None:
     for name in ("sequence", "block_manager", "scheduler", "errors"):
         imported = imports_of(ROOT / "local_engine" / f"{name}.py")
         assert not {i for i in imported if i.split(".")[0] in ("torch", "triton", "numpy")}, name
+
+
+# -- the engine host (gateway/engine_host/, shared/ARCHITECTURE.md) ---------------------------------------------------
+
+WEB_APP = ("gateway.app", "gateway.routes", "gateway.middleware", "starlette", "uvicorn")
+
+
+def import_closure(module: str, root: Path = ROOT) -> set[str]:
+    """Every module `module` may import, directly or through others of ours (lazy imports included), with the
+    packages each of them sits in."""
+    found: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        path = root / (name.replace(".", "/") + ".py")
+        if not path.exists():
+            path = root / name.replace(".", "/") / "__init__.py"
+        if name.split(".")[0] not in PACKAGES or not path.exists():
+            continue
+        for imported in imports_of(path):
+            parts = imported.split(".")
+            todo.extend(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return found
+
+
+def test_the_engine_process_imports_no_web_app() -> None:
+    """The engine process (`python -m gateway.engine_host.main`) serves the engine protocol, not the gateway app:
+    nothing it may import reaches the app, its routes or middleware, or a web framework."""
+    closure = import_closure("gateway.engine_host.main")
+    assert "backends.local" in closure  # (the walk does reach what the process serves)
+    web = sorted(name for name in closure if name.startswith(WEB_APP))
+    assert not web, f"the engine process may import {web}"
+
+
+def test_the_engine_host_and_its_client_share_only_the_protocol() -> None:
+    """The workers' client and the host meet in `backends.engine_protocol`, which needs only the ground floor and
+    the backend protocol's types."""
+    for path in sorted((ROOT / "gateway" / "engine_host").glob("*.py")):
+        assert "backends.engine_client" not in imports_of(path), path.name
+    ours = {name for name in imports_of(ROOT / "backends" / "engine_protocol.py") if name.split(".")[0] in PACKAGES}
+    assert ours <= GROUND_FLOOR | {"backends.base"}, ours
+
+
+def test_the_closure_walk_follows_lazy_imports(tmp_path: Path) -> None:
+    (tmp_path / "gateway").mkdir()
+    (tmp_path / "gateway" / "a.py").write_text("def f():\n    from gateway.b import x\n")
+    (tmp_path / "gateway" / "b.py").write_text("import starlette.routing\n")
+    assert {"gateway.b", "starlette.routing", "starlette"} <= import_closure("gateway.a", tmp_path)

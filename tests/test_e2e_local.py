@@ -15,7 +15,7 @@ import yaml
 from fakes.app import MASTER
 from fakes.server import ThreadedServer
 
-from gateway.engine_server import create_engine_app
+from gateway.engine_host.http import create_engine_app
 from gateway.server import build_app
 from gateway.settings import Settings
 

@@ -26,7 +26,10 @@ import psutil
 import pytest
 from fakes.app import MASTER
 from fakes.checkpoints import tiny_llama_checkpoint
+from fakes.engine_host import get_state
 from fakes.net import free_port
+
+from backends.engine_protocol import ProtocolError
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -55,7 +58,7 @@ class Gateway:
         return psutil.Process(self.process.pid)
 
     def engine_processes(self) -> list[psutil.Process]:
-        return [p for p in self.parent.children(recursive=True) if "gateway.engine_process" in " ".join(p.cmdline())]
+        return [p for p in self.parent.children(recursive=True) if "gateway.engine_host" in " ".join(p.cmdline())]
 
     def worker_processes(self) -> list[psutil.Process]:
         return [p for p in self.parent.children() if "multiprocessing.spawn" in " ".join(p.cmdline())]
@@ -69,14 +72,13 @@ class Gateway:
 
     def engine_state(self) -> dict[str, Any]:
         """The engine process's own answer, over its socket (no worker in between, nothing cached)."""
-        transport = httpx.HTTPTransport(uds=str(self.socket_path()))
-        with httpx.Client(transport=transport, base_url="http://engine", timeout=10) as client:
-            return dict(client.get("/engine/state").json())
+        state = get_state(self.socket_path())
+        return {"pid": state.pid, "state": state.state, "stats": state.stats}
 
     def is_engine_up(self, *, other_than: int) -> bool:
         try:
             state = self.engine_state()
-        except (httpx.TransportError, ValueError, psutil.Error):
+        except (OSError, ProtocolError, ValueError, psutil.Error):
             return False  # (the new process is not listening yet)
         return state["pid"] != other_than and state["state"] == "up"
 
@@ -223,7 +225,7 @@ async def test_a_disconnect_frees_the_sequence_at_once(gateway: Gateway) -> None
             running = (await asyncio.to_thread(gateway.engine_state))["stats"]["num_running_seqs"]
             assert running == 1
     closed_at = time.monotonic()
-    while True:  # the engine server sees the worker's connection go and aborts within a step
+    while True:  # the worker aborts its call in the engine host, which aborts the request within a step
         stats = (await asyncio.to_thread(gateway.engine_state))["stats"]
         if stats["num_running_seqs"] == 0:
             break

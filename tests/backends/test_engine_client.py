@@ -1,90 +1,89 @@
-"""`EngineClient` against a fake engine server on a real Unix socket: what the engine sends comes back unchanged,
-its errors come back as the same gateway errors, a missing engine is a 503 at once, and closing a stream early
-closes its connection (the real engine server then aborts the request: tests/test_e2e_workers.py)."""
+"""`EngineClient` against the real engine host (`gateway.engine_host.host.EngineHost`) over a real Unix socket:
+what the engine sends comes back unchanged, its errors come back as the same gateway errors, a missing engine is a
+503 at once, and closing a stream early aborts its request in the engine. The host serves a fake backend with
+canned answers, a tiny real model, or a model that fails to load; a raw server stands in for a host that dies
+mid-stream or answers garbage."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import AsyncIterator, Iterator
+import os
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
-from fakes.server import ThreadedServer
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from fakes.checkpoints import tiny_llama_checkpoint
+from fakes.engine_host import tiny_local_backend
 
-from backends.base import MAX_TOKENS_CLAMPED_KEY, OutputLimits
-from backends.engine_client import EngineClient, EngineClientConfig, engine_error_from
-from gateway.engine_server import error_payload
-from gateway.errors import EngineError, EngineLoadingError, GatewayError, InvalidRequestError, UnavailableError
+from backends.base import MAX_TOKENS_CLAMPED_KEY, Endpoint, HealthState, Json, OutputLimits
+from backends.engine_client import EngineClient, EngineClientConfig
+from backends.engine_protocol import Output, encode, read_message
+from gateway.engine_host.host import EngineHost, HostedBackend
+from gateway.engine_host.main import bind_owner_only
+from gateway.errors import EngineError, EngineLoadingError, InvalidRequestError, UnavailableError
 
 CHUNK = {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "hi"}}]}
 LAST = {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
 LOADING = EngineLoadingError("The local model is still loading.", headers={"retry-after": "5"})
 
 
-class FakeEngine:
-    """The engine protocol with canned answers; `mode` in the request body picks one."""
+class FakeBackend:
+    """The local backend's calls with canned answers; `mode` in the request body picks one."""
 
     def __init__(self) -> None:
-        self.state: dict[str, Any] = {"pid": 4242, "state": "loading", "context_length": None, "stats": {}}
-        self.stream_closed = threading.Event()
+        self.state: HealthState = "loading"
+        self.context_length: int | None = None
+        self.engine_stats: dict[str, Any] = {}
+        self.stream_closed = asyncio.Event()
 
-    def app(self) -> Starlette:
-        return Starlette(
-            routes=[
-                Route("/engine/state", self.get_state),
-                Route("/engine/send/{endpoint:path}", self.send, methods=["POST"]),
-                Route("/engine/stream/{endpoint:path}", self.stream, methods=["POST"]),
-                Route("/engine/count_tokens", self.count_tokens, methods=["POST"]),
-            ]
-        )
-
-    async def get_state(self, request: Request) -> Response:
-        return JSONResponse(self.state)
-
-    async def send(self, request: Request) -> Response:
-        body = await request.json()
+    async def send(self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Any = None) -> Json:
         if body.get("mode") == "refused":
-            error = InvalidRequestError("temperature must be >= 0", param="temperature")
-            return JSONResponse(error_payload(error), status_code=400)
-        return JSONResponse({"id": "r1", "choices": [], MAX_TOKENS_CLAMPED_KEY: [100, 50]})
+            raise InvalidRequestError("temperature must be >= 0", param="temperature")
+        return {"id": "r1", "choices": [], MAX_TOKENS_CLAMPED_KEY: [100, 50]}
 
-    async def count_tokens(self, request: Request) -> Response:
-        return JSONResponse({"num_tokens": 17})
-
-    async def stream(self, request: Request) -> Response:
-        mode = (await request.json()).get("mode")
+    async def stream(
+        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Any = None
+    ) -> AsyncIterator[Json]:
+        mode = body.get("mode")
         if mode == "loading":
-            return JSONResponse(error_payload(LOADING), status_code=503, headers=LOADING.headers)
+            raise LOADING
+        try:
+            yield CHUNK
+            if mode == "error":
+                raise EngineError("The local engine failed: boom")
+            if mode == "slow":
+                await asyncio.sleep(30)
+            yield LAST
+        finally:
+            self.stream_closed.set()
 
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                yield b"data: " + orjson.dumps(CHUNK) + b"\n\n"
-                if mode == "error":
-                    failure = EngineError("The local engine failed: boom")
-                    yield b"data: " + orjson.dumps(error_payload(failure)) + b"\n\ndata: [DONE]\n\n"
-                elif mode == "slow":
-                    await asyncio.sleep(30)
-                elif mode != "cut":
-                    yield b"data: " + orjson.dumps(LAST) + b"\n\ndata: [DONE]\n\n"
-            finally:
-                self.stream_closed.set()
+    async def count_prompt_tokens(self, body: Json) -> int:
+        return 17
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+    def health_state(self) -> HealthState:
+        return self.state
+
+    def output_limits(self) -> OutputLimits:
+        return OutputLimits(self.context_length, True, None)
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine_stats
+
+
+async def start_host(backend: HostedBackend, path: Path) -> EngineHost:
+    host = EngineHost(backend)
+    await host.start(bind_owner_only(path))
+    return host
 
 
 @pytest.fixture
-def engine(tmp_path: Path) -> Iterator[tuple[FakeEngine, str]]:
-    fake = FakeEngine()
-    path = tmp_path / "engine.sock"
-    with ThreadedServer(fake.app(), uds=str(path)):
-        yield fake, str(path)
+async def engine(tmp_path: Path) -> AsyncIterator[tuple[FakeBackend, EngineHost, str]]:
+    fake = FakeBackend()
+    host = await start_host(fake, tmp_path / "engine.sock")
+    yield fake, host, str(tmp_path / "engine.sock")
+    await host.shutdown(0)
 
 
 def client_for(socket_path: str, **options: Any) -> EngineClient:
@@ -95,20 +94,22 @@ async def collect(client: EngineClient, **body: Any) -> list[dict[str, Any]]:
     return [chunk async for chunk in client.stream("chat/completions", body, request_id="req-1")]
 
 
-async def test_responses_and_chunks_come_back_as_the_engine_sent_them(engine: tuple[FakeEngine, str]) -> None:
-    client = client_for(engine[1])
+async def test_responses_and_chunks_come_back_as_the_engine_sent_them(engine: Any) -> None:
+    client = client_for(engine[2])
     try:
         response = await client.send("chat/completions", {}, request_id="req-1")
         assert response[MAX_TOKENS_CLAMPED_KEY] == [100, 50]  # the gateway turns it into the clamp header
         assert await collect(client) == [CHUNK, LAST]
-        assert await collect(client) == [CHUNK, LAST]  # the connection went back to the pool and is reused
+        assert await collect(client) == [CHUNK, LAST]  # on the connection the first stream gave back
         assert await client.count_prompt_tokens({"messages": []}) == 17
+        results = await asyncio.gather(*(collect(client) for _ in range(8)))  # a connection each, at once
+        assert results == [[CHUNK, LAST]] * 8
     finally:
         await client.aclose()
 
 
-async def test_engine_errors_come_back_as_the_same_gateway_errors(engine: tuple[FakeEngine, str]) -> None:
-    client = client_for(engine[1])
+async def test_engine_errors_come_back_as_the_same_gateway_errors(engine: Any) -> None:
+    client = client_for(engine[2])
     try:
         with pytest.raises(EngineLoadingError) as loading:
             await collect(client, mode="loading")
@@ -116,45 +117,43 @@ async def test_engine_errors_come_back_as_the_same_gateway_errors(engine: tuple[
         with pytest.raises(InvalidRequestError) as refused:
             await client.send("chat/completions", {"mode": "refused"}, request_id="req-1")
         assert (refused.value.status_code, refused.value.param) == (400, "temperature")
+        chunks: list[Json] = []
         with pytest.raises(EngineError) as failed:
-            await collect(client, mode="error")
-        assert (failed.value.status_code, failed.value.code) == (500, "engine_error")
-        with pytest.raises(UnavailableError) as cut:
-            await collect(client, mode="cut")
-        assert cut.value.status_code == 503 and "middle of the stream" in cut.value.message
+            async for chunk in client.stream("chat/completions", {"mode": "error"}, request_id="req-1"):
+                chunks.append(chunk)
+        assert chunks == [CHUNK] and (failed.value.status_code, failed.value.code) == (500, "engine_error")
+        assert await collect(client) == [CHUNK, LAST]  # and the connections stay good
     finally:
         await client.aclose()
 
 
-async def test_closing_a_stream_early_closes_its_connection(engine: tuple[FakeEngine, str]) -> None:
-    fake, path = engine
+async def test_closing_a_stream_early_aborts_it_in_the_engine(engine: Any) -> None:
+    fake, host, path = engine
     client = client_for(path)
     try:
         stream = client.stream("chat/completions", {"mode": "slow"}, request_id="req-1")
         assert await anext(stream) == CHUNK
         await stream.aclose()  # type: ignore[attr-defined]
-        assert await asyncio.to_thread(fake.stream_closed.wait, 5.0)
+        await asyncio.wait_for(fake.stream_closed.wait(), 5)
+        assert host.num_calls() == 0
+        assert await collect(client) == [CHUNK, LAST]
     finally:
         await client.aclose()
 
 
-async def test_state_stats_and_limits_are_the_engines_last_answer(engine: tuple[FakeEngine, str]) -> None:
-    fake, path = engine
+async def test_state_stats_and_limits_are_the_engines_last_answer(engine: Any) -> None:
+    fake, _, path = engine
     client = client_for(path, default_max_tokens=0, clamp_max_tokens=False)
     try:
         await client.refresh()
         assert client.health_state() == "loading" and client.stats()["loaded"] is False
         assert client.output_limits() == OutputLimits(None, False, None)
-        fake.state = {
-            "pid": 4242,
-            "state": "up",
-            "context_length": 4096,
-            "stats": {"name": "engine-side#0", "loaded": True, "num_running_seqs": 0, "max_model_len": 4096},
-        }
+        fake.state, fake.context_length = "up", 4096
+        fake.engine_stats = {"name": "engine-side#0", "loaded": True, "num_running_seqs": 0, "max_model_len": 4096}
         await client.refresh()
         assert client.health_state() == "up" and await client.check_health()
         stats = client.stats()
-        assert (stats["name"], stats["pid"], stats["loaded"], stats["state"]) == ("local#0", 4242, True, "up")
+        assert (stats["name"], stats["pid"], stats["loaded"], stats["state"]) == ("local#0", os.getpid(), True, "up")
         assert client.output_limits().context_length == 4096
     finally:
         await client.aclose()
@@ -178,55 +177,119 @@ async def test_a_socket_nobody_listens_on_is_a_503_at_once(tmp_path: Path) -> No
         await client.aclose()
 
 
-TOO_LONG = InvalidRequestError("too long", code="context_length_exceeded")
-UNAUTHORIZED = {"message": "x", "type": "authentication_error", "code": "invalid_api_key"}
+Script = Callable[[int, asyncio.StreamWriter], Awaitable[None]]
 
 
-@pytest.mark.parametrize(
-    ("payload", "status", "kind", "code"),
-    [
-        (error_payload(LOADING), 200, EngineLoadingError, "engine_loading"),
-        (error_payload(TOO_LONG), 200, InvalidRequestError, "context_length_exceeded"),
-        ({"error": {"message": "x", "type": "api_error", "code": "engine_error"}}, 500, EngineError, "engine_error"),
-        ({"error": UNAUTHORIZED}, 401, EngineError, "invalid_api_key"),  # the engine's key: not the caller's (502)
-        ({"detail": "Not Found"}, 404, EngineError, "engine_error"),
-    ],
-)
-def test_engine_error_from(payload: dict[str, Any], status: int, kind: type[GatewayError], code: str | None) -> None:
-    error = engine_error_from(payload, status)
-    assert type(error) is kind
-    expected = payload.get("status", status) if "error" in payload and status != 401 else 502
-    assert error.status_code == expected
-    assert error.code == code
+async def raw_host(path: Path, script: Script) -> asyncio.Server:
+    """A server that reads the first call, then answers as `script` says (a host dying, or babbling)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        message = await read_message(reader)
+        assert message is not None
+        await script(message.call_id, writer)
+        writer.close()
+
+    return await asyncio.start_unix_server(handle, path=str(path))
+
+
+async def one_chunk_then_gone(call_id: int, writer: asyncio.StreamWriter) -> None:
+    writer.write(encode(Output(call_id, CHUNK)))
+
+
+async def gone(call_id: int, writer: asyncio.StreamWriter) -> None:
+    pass
+
+
+async def garbage(call_id: int, writer: asyncio.StreamWriter) -> None:
+    writer.write(struct.pack(">I", 5) + b"hello")
+
+
+async def oversize(call_id: int, writer: asyncio.StreamWriter) -> None:
+    writer.write(struct.pack(">I", 2**31))
+
+
+async def test_a_host_gone_mid_stream_is_a_503_and_one_that_babbles_a_502(tmp_path: Path) -> None:
+    path = tmp_path / "raw.sock"
+    server = await raw_host(path, one_chunk_then_gone)
+    client = client_for(str(path))
+    try:
+        chunks: list[Json] = []
+        with pytest.raises(UnavailableError) as cut:
+            async for chunk in client.stream("chat/completions", {}, request_id="req-1"):
+                chunks.append(chunk)
+        assert chunks == [CHUNK] and cut.value.status_code == 503 and "middle of the stream" in cut.value.message
+        assert client.health_state() == "down"
+        server.close()
+        server = await raw_host(path, gone)
+        with pytest.raises(UnavailableError, match="is not running"):  # gone before its first message
+            await client.send("chat/completions", {}, request_id="req-1")
+        for script in (garbage, oversize):
+            server.close()
+            server = await raw_host(path, script)
+            with pytest.raises(EngineError) as babbled:
+                await asyncio.wait_for(client.send("chat/completions", {}, request_id="req-1"), 5)
+            assert babbled.value.status_code == 502 and "engine protocol" in babbled.value.message
+    finally:
+        server.close()
+        await client.aclose()
+
+
+async def test_a_tiny_model_through_the_host(tmp_path: Path) -> None:
+    """The real local backend behind the host: the same answer streamed or not, its exact prompt count, and a
+    stream closed early is aborted in the engine (its sequence freed)."""
+    backend = tiny_local_backend(tiny_llama_checkpoint(tmp_path / "tiny"), tmp_path / "cache")
+    host = await start_host(backend, tmp_path / "engine.sock")
+    client = client_for(str(tmp_path / "engine.sock"))
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}
+    try:
+        sent = await client.send("chat/completions", body, request_id="req-1")
+        chunks = await collect(client, **body, stream_options={"include_usage": True})
+        streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert streamed == sent["choices"][0]["message"]["content"]
+        usage = chunks[-1]["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (sent["usage"]["prompt_tokens"], 6)
+        assert usage["prompt_tokens_details"]["cached_tokens"] > 0  # the engine's prefix cache, seen through
+        assert await client.count_prompt_tokens(body) == sent["usage"]["prompt_tokens"]
+        stream = client.stream("chat/completions", {**body, "max_tokens": 4000, "ignore_eos": True}, request_id="r2")
+        await anext(stream)
+        await stream.aclose()  # type: ignore[attr-defined]
+        for _ in range(200):
+            if backend.stats()["num_running_seqs"] == 0 and host.num_calls() == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert backend.stats()["num_running_seqs"] == 0
+    finally:
+        await client.aclose()
+        await host.shutdown(0)
+        await backend.aclose()
 
 
 async def test_a_failed_load_in_the_engine_process_is_reported_with_its_code(tmp_path: Path) -> None:
-    """The real engine server with a `model_path` that does not exist: its client reports the engine's own
-    `load_failed` and code (readiness and the console show them), not a process that did not answer; once the
-    process is gone, nothing of that stale answer is reported."""
-    from gateway.engine_server import create_engine_app
+    """The real host with a `model_path` that does not exist: its client reports the engine's own `load_failed` and
+    code (readiness and the console show them), not a process that did not answer; once the host is gone, nothing
+    of that stale answer is reported."""
     from gateway.health_probe import _load_error as load_failure
-    from gateway.settings import Settings
 
-    engine = {"model_path": str(tmp_path / "no-such-model"), "device": "cpu"}
-    settings = Settings(_env_file=None, data_dir=tmp_path / "data", engine=engine)  # type: ignore[call-arg, arg-type]
-    path = tmp_path / "engine.sock"
-    client = client_for(str(path))
+    backend = tiny_local_backend(tmp_path / "no-such-model", tmp_path / "cache")
+    host = await start_host(backend, tmp_path / "engine.sock")
+    client = client_for(str(tmp_path / "engine.sock"))
     try:
-        with ThreadedServer(create_engine_app(settings), uds=str(path), log_config=None):
-            for _ in range(200):  # the load fails at once (nothing to read); bounded wait for the engine to say so
-                await client.refresh()
-                if client.health_state() == "down":
-                    break
-                await asyncio.sleep(0.05)
-            stats = client.stats()
-            assert (client.health_state(), stats["load_failed"], stats["load_error"]) == (
-                "down",
-                True,
-                "checkpoint_not_found",
-            )
-            assert load_failure(client) == "checkpoint_not_found"
-        await client.refresh()  # the process has stopped
+        for _ in range(200):  # the load fails at once (nothing to read); bounded wait for the engine to say so
+            await client.refresh()
+            if client.health_state() == "down":
+                break
+            await asyncio.sleep(0.05)
+        stats = client.stats()
+        assert (client.health_state(), stats["load_failed"], stats["load_error"]) == (
+            "down",
+            True,
+            "checkpoint_not_found",
+        )
+        assert load_failure(client) == "checkpoint_not_found"
+        await host.shutdown(0)
+        await client.refresh()  # the host has stopped
         assert client.health_state() == "down" and client.stats()["load_failed"] is False
     finally:
         await client.aclose()
+        await host.shutdown(0)
+        await backend.aclose()

@@ -1,6 +1,7 @@
 """A client that leaves while its body is read, against real servers over raw sockets: the production gateway on a
-loopback port (every route that reads a body) and the engine server on its Unix socket. Nobody is answered, the
-request counts as `client_disconnected` (status 499 in the request metrics), one line is logged, no traceback."""
+loopback port (every route that reads a body), where nobody is answered, the request counts as
+`client_disconnected` (status 499 in the request metrics), one line is logged, no traceback; and a worker that
+leaves the engine host on its Unix socket, which is one line too."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ import pytest
 import yaml
 from fakes.app import MASTER
 from fakes.checkpoints import tiny_llama_checkpoint
+from fakes.engine_host import ThreadedEngineHost, tiny_local_backend
 from fakes.server import ThreadedServer
 from fakes.upstream import FakeUpstream
 from starlette.applications import Starlette
 
-from gateway.engine_server import create_engine_app
+from backends.engine_protocol import AddRequest, encode
 from gateway.metrics import GatewayMetrics
 from gateway.server import build_app
 from gateway.settings import Settings
@@ -125,23 +127,24 @@ def _tiny_checkpoint(directory: Path) -> Path:
     return tiny_llama_checkpoint(directory)
 
 
-@pytest.mark.parametrize("path", ["/engine/send/chat/completions", "/engine/stream/chat/completions"])
-def test_a_worker_gone_mid_body_is_no_engine_server_error(tmp_path: Path, records: Records, path: str) -> None:
-    engine = {
-        "model_path": str(_tiny_checkpoint(tmp_path / "tiny")),
-        "device": "cpu",
-        "kv_cache_memory": 4 * 2**20,
-        "max_num_seqs": 4,
-        "cpu_kernels": False,
-        "pack_cpu_weights": False,
-    }
-    settings = Settings(_env_file=None, data_dir=tmp_path / "data", engine=engine)  # type: ignore[call-arg, arg-type]
+@pytest.mark.parametrize("cut", ["mid-message", "mid-stream"])
+def test_a_worker_gone_mid_request_is_no_engine_host_error(tmp_path: Path, records: Records, cut: str) -> None:
+    """The engine host's side: a worker that leaves in the middle of a message, or of a stream (its process killed:
+    no `abort`), is one quiet line, and its call is aborted."""
+    backend = tiny_local_backend(_tiny_checkpoint(tmp_path / "tiny"), tmp_path / "cache")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000, "ignore_eos": True}
+    frame = encode(AddRequest(1, "req-1", "chat/completions", True, body))
     socket_path = tmp_path / "engine.sock"
-    with ThreadedServer(create_engine_app(settings), uds=str(socket_path), log_config=None) as server:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(20)
-        sock.connect(str(socket_path))
-        send_half_body(sock, path)
+    with ThreadedEngineHost(backend, socket_path) as server:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(60)
+            sock.connect(str(socket_path))
+            if cut == "mid-message":
+                sock.sendall(frame[: len(frame) // 2])
+            else:
+                sock.sendall(frame)
+                assert sock.recv(4)  # the stream has started (after the model loaded)
         wait_for(lambda: [r for r in records.records if "disconnected" in r.getMessage() or r.exc_info], "a log line")
-        server.stop()  # every request has ended: nothing more can be logged
+        wait_for(lambda: server.host.num_calls() == 0, "the call to end")
+        server.stop()  # every call has ended: nothing more can be logged
     records.assert_one_quiet_line()

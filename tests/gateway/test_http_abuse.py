@@ -20,7 +20,7 @@ from fakes.app import CHAT, MASTER, build_app, single_model
 from fakes.server import ThreadedServer
 from fakes.upstream import FakeUpstream
 
-from gateway import engine_server
+from gateway.engine_host import http as engine_server
 from gateway.http_limits import MAX_HEADERS
 from gateway.security_headers import SECURITY_HEADERS
 from gateway.settings import Settings
@@ -300,7 +300,7 @@ def test_engine_serve_cuts_off_a_trailer_that_never_ends(
     """`serve_engine` builds its uvicorn config with the same protocol options: taken from it (its run is the one
     part replaced), the engine app under that config answers the attack with 431."""
     configs: list[uvicorn.Config] = []
-    monkeypatch.setattr(engine_server._Server, "run", lambda self, sockets=None: configs.append(self.config))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: configs.append(self.config))
     settings = Settings(_env_file=None, data_dir=tmp_path, engine={"enabled": False}, max_header_bytes=MAX_HEADER_BYTES)  # type: ignore[call-arg, arg-type]
     engine_server.serve_engine(settings, api_key="sk-engine")
     [config] = configs

@@ -1,15 +1,15 @@
 """One engine per host: `unigate serve --workers N` runs each local deployment's engine once, in its own process.
 
     unigate serve (parent)
-     ├── uvicorn workers 1..N: each local deployment is an EngineClient ──┐ HTTP over <data_dir>/engine-<name>.sock
-     ├── one engine process per local deployment (gateway.engine_server) ◀┘ (the code of `unigate engine serve`)
+     ├── uvicorn workers 1..N: each local deployment is an EngineClient ──┐ the engine protocol over
+     ├── one engine process per local deployment (gateway.engine_host) ◀──┘ <data_dir>/engine-<name>.sock
      └── the embedded redis-server (without UNIGATE_REDIS_URL)
 
-The parent starts each engine process before the workers, waits until it accepts connections (not until its model
-is loaded: meanwhile workers answer 503 `engine_loading` with Retry-After, as with an in-process engine), and stops
-it after the workers have stopped. An engine process that dies is started again (`EngineSupervisor`), after a
-pause that doubles with each quick failure up to `MAX_RESTART_DELAY_S`; meanwhile the workers answer 503
-`engine_error` with Retry-After.
+The parent starts each engine process (`gateway.engine_host.main`) before the workers, waits until it accepts
+connections (not until its model is loaded: meanwhile workers answer 503 `engine_loading` with Retry-After, as with
+an in-process engine), and stops it after the workers have stopped. An engine process that dies is started again
+(`EngineSupervisor`), after a pause that doubles with each quick failure up to `MAX_RESTART_DELAY_S`; meanwhile the
+workers answer 503 `engine_error` with Retry-After.
 
 The engine process runs in its own session, so a terminal's Ctrl-C reaches the parent and the workers only and
 the engine outlives the workers' in-flight requests; it exits by itself if the parent disappears. Its socket is
@@ -36,13 +36,14 @@ import orjson
 
 from gateway.routing_config import DeploymentConfig, RoutingConfig
 
-__all__ = ["EngineProcess", "EngineStartError", "EngineSupervisor", "exit_with_parent", "main"]
+__all__ = ["SETTINGS_ENV", "SPEC_ENV", "EngineProcess", "EngineStartError", "EngineSupervisor", "exit_with_parent"]
 
 logger = logging.getLogger("unigate.engine")
 
-_SPEC_ENV = "UNIGATE__ENGINE_PROCESS"  # the child's instructions (JSON), from the parent
+SPEC_ENV = "UNIGATE__ENGINE_PROCESS"  # the child's instructions (JSON), from the parent
+SETTINGS_ENV = "UNIGATE__RESOLVED_SETTINGS"  # the parent's resolved settings (JSON), as its workers get them
 _MAX_UNIX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
-START_TIMEOUT_S = 120.0  # spawn → accepting connections (imports and app start-up; the model loads after)
+START_TIMEOUT_S = 120.0  # spawn → accepting connections (imports and the socket; the model loads after)
 STOP_TIMEOUT_S = 30.0  # SIGTERM → exit, then SIGKILL
 MAX_RESTART_DELAY_S = 30.0
 _STABLE_S = 60.0  # an engine that ran this long before it died is restarted at once
@@ -53,7 +54,7 @@ class EngineStartError(RuntimeError):
 
 
 class EngineProcess:
-    """The engine server process of one local deployment, listening on `socket_path`."""
+    """The engine process of one local deployment, listening on `socket_path`."""
 
     def __init__(self, deployment: DeploymentConfig, socket_path: Path, settings_json: str) -> None:
         self.deployment = deployment
@@ -84,10 +85,10 @@ class EngineProcess:
             "ready_fd": ready_write,
             "parent_pid": os.getpid(),
         }
-        env = {**os.environ, "UNIGATE__RESOLVED_SETTINGS": self._settings_json, _SPEC_ENV: orjson.dumps(spec).decode()}
+        env = {**os.environ, SETTINGS_ENV: self._settings_json, SPEC_ENV: orjson.dumps(spec).decode()}
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-c", "from gateway.engine_process import main; main()"],
+                [sys.executable, "-m", "gateway.engine_host.main"],
                 env=env,
                 pass_fds=(ready_write,),
                 start_new_session=True,  # a terminal's Ctrl-C must not stop it before the workers
@@ -112,7 +113,7 @@ class EngineProcess:
         )
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """SIGTERM (the engine server shuts down gracefully), SIGKILL after `timeout_s`; the socket is removed."""
+        """SIGTERM (the engine host shuts down gracefully), SIGKILL after `timeout_s`; the socket is removed."""
         process = self._process
         if process is not None and process.poll() is None:
             process.send_signal(signal.SIGTERM)
@@ -230,41 +231,6 @@ def _wait_readable(fd: int, process: subprocess.Popen[bytes], timeout_s: float) 
     """True once the child writes its ready byte; False if it closes the pipe (exited) or the time runs out."""
     readable, _, _ = select.select([fd], [], [], timeout_s)
     return bool(readable) and os.read(fd, 1) == b"1" and process.poll() is None
-
-
-# -- the child --------------------------------------------------------------------------------------------------------
-
-
-def main() -> None:
-    """The engine process: bind the owner-only socket, serve the engine server on it until SIGTERM."""
-    from gateway.engine_server import serve_engine
-    from gateway.logging import configure_logging
-    from gateway.settings import load_settings
-
-    spec = orjson.loads(os.environ.pop(_SPEC_ENV))
-    settings = load_settings(**orjson.loads(os.environ.pop("UNIGATE__RESOLVED_SETTINGS")))
-    configure_logging(settings.log_level, settings.log_format)
-    logging.getLogger("unigate.access").setLevel(logging.WARNING)  # the workers log each request already
-    deployment = DeploymentConfig.model_validate(spec["deployment"])
-    path = Path(spec["socket_path"])
-    path.unlink(missing_ok=True)  # a stale socket of an engine that died (the parent checked none listens)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    previous_umask = os.umask(0o177)  # owner-only from the moment it exists
-    try:
-        sock.bind(str(path))
-    finally:
-        os.umask(previous_umask)
-    ready_fd: int = spec["ready_fd"]
-    exit_with_parent(spec["parent_pid"])
-
-    def notify_started() -> None:
-        os.write(ready_fd, b"1")
-        os.close(ready_fd)
-
-    try:
-        serve_engine(settings, sock=sock, deployment=deployment, on_started=notify_started)
-    finally:
-        path.unlink(missing_ok=True)
 
 
 def exit_with_parent(parent_pid: int) -> None:

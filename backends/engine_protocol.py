@@ -1,0 +1,255 @@
+"""The engine protocol: what a worker (`backends.engine_client`) and the engine host (`gateway.engine_host`) say to
+each other over the host's owner-only Unix socket. Not a public API: both ends ship together.
+
+A message is one frame: a 4-byte big-endian length, then that many bytes of JSON, an array naming the message and
+the call it belongs to (an id the worker picks, unique on its connection), then the message's fields in order:
+
+    worker → host                                       host → worker
+    ["add", id, request_id, endpoint, is_stream, body]  ["output", id, chunk]       a stream's next chunk
+    ["abort", id]                                       ["finished", id]            a stream's end
+    ["count_tokens", id, body]                          ["response", id, body]      an unstreamed call's answer
+    ["get_state", id]                                   ["num_tokens", id, n]
+                                                        ["state", id, pid, state, context_length, stats]
+                                                        ["failed", id, error, status, code, message, param, headers]
+
+Every call ends with one of finished / response / num_tokens / state / failed, except an aborted one, which ends
+with nothing (the worker has forgotten it); a closed connection aborts every call still running on it. `failed`
+carries the gateway error the host's backend raised (class, status, code, message, param, headers), rebuilt on the
+worker's side as the same error. A frame over `max_bytes`, a truncated one or one that is not a message of this
+table is a `ProtocolError`: the reader closes the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import types
+import typing
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, cast
+
+import orjson
+
+from backends.base import HealthState, Json
+from gateway.errors import EngineError, GatewayError
+
+__all__ = [
+    "MAX_FRAME_BYTES",
+    "Abort",
+    "AddRequest",
+    "CountTokens",
+    "Failed",
+    "Finished",
+    "GetState",
+    "HostMessage",
+    "Output",
+    "ProtocolError",
+    "Response",
+    "State",
+    "TokenCount",
+    "TruncatedFrameError",
+    "WorkerMessage",
+    "decode",
+    "encode",
+    "read_message",
+]
+
+MAX_FRAME_BYTES = 256 * 2**20  # a request body, or an unstreamed response with logprobs, fits many times over
+_HEADER = struct.Struct(">I")
+_HEALTH_STATES = frozenset(typing.get_args(HealthState))
+
+
+class ProtocolError(Exception):
+    """A frame that is not a message of the engine protocol (or over the size limit)."""
+
+
+class TruncatedFrameError(ProtocolError):
+    """The connection closed in the middle of a frame."""
+
+
+class _Message:
+    __slots__ = ()
+    KIND: ClassVar[str]
+    _WIRE: ClassVar[tuple[tuple[type, ...], ...]]  # the accepted JSON types of each field, from the annotations
+
+    def to_wire(self) -> list[Any]:
+        names: tuple[str, ...] = self.__slots__  # a dataclass's fields, in order
+        return [self.KIND, *(getattr(self, name) for name in names)]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _KINDS[cls.KIND] = cls
+
+
+_KINDS: dict[str, type[_Message]] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest(_Message):
+    KIND = "add"
+    call_id: int
+    request_id: str  # the gateway's request id (logs, the engine's sequence names)
+    endpoint: str  # "chat/completions" or "completions"; another is answered `failed` (404)
+    is_stream: bool
+    body: Json
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(_Message):
+    KIND = "abort"
+    call_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class CountTokens(_Message):
+    KIND = "count_tokens"
+    call_id: int
+    body: Json  # a chat-completions body
+
+
+@dataclass(frozen=True, slots=True)
+class GetState(_Message):
+    KIND = "get_state"
+    call_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Output(_Message):
+    KIND = "output"
+    call_id: int
+    chunk: Json
+
+
+@dataclass(frozen=True, slots=True)
+class Finished(_Message):
+    KIND = "finished"
+    call_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Response(_Message):
+    KIND = "response"
+    call_id: int
+    body: Json
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCount(_Message):
+    KIND = "num_tokens"
+    call_id: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class State(_Message):
+    KIND = "state"
+    call_id: int
+    pid: int
+    state: HealthState
+    context_length: int | None  # None while the model loads
+    stats: Json  # `LocalBackend.stats()`
+
+
+@dataclass(frozen=True, slots=True)
+class Failed(_Message):
+    KIND = "failed"
+    call_id: int
+    error: str  # the class name of the gateway error (`gateway.errors`)
+    status: int
+    code: str
+    message: str
+    param: str | None
+    headers: dict[str, str]
+
+    @classmethod
+    def of(cls, call_id: int, error: GatewayError) -> Failed:
+        headers = error.headers
+        return cls(call_id, type(error).__name__, error.status_code, error.code, error.message, error.param, headers)
+
+    def to_error(self) -> GatewayError:
+        """The same gateway error: class (an unknown one is an `EngineError`), status, code, message, param and
+        headers (e.g. `Retry-After`)."""
+        kind = _ERRORS.get(self.error, EngineError)
+        headers = {str(name): str(value) for name, value in self.headers.items()}
+        return kind(self.message, code=self.code, param=self.param, headers=headers, status_code=self.status)
+
+
+WorkerMessage = AddRequest | Abort | CountTokens | GetState
+HostMessage = Output | Finished | Response | TokenCount | State | Failed
+
+
+def _error_classes(root: type[GatewayError]) -> dict[str, type[GatewayError]]:
+    found = {root.__name__: root}
+    for sub in root.__subclasses__():
+        if sub.__module__ == root.__module__:  # the tree of `gateway.errors`, nothing registered elsewhere
+            found.update(_error_classes(sub))
+    return found
+
+
+_ERRORS = _error_classes(GatewayError)
+
+
+def _wire_types(cls: type[_Message]) -> tuple[tuple[type, ...], ...]:
+    hints = typing.get_type_hints(cls, globals())
+    accepted = []
+    for field in fields(cast(Any, cls)):
+        hint = hints[field.name]
+        options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        if typing.get_origin(hint) is typing.Literal:  # checked by `decode` (a closed set of strings)
+            options = (str,)
+        accepted.append(tuple(typing.get_origin(option) or option for option in options))
+    return tuple(accepted)
+
+
+for _cls in _KINDS.values():
+    _cls._WIRE = _wire_types(_cls)
+
+
+def encode(message: WorkerMessage | HostMessage) -> bytes:
+    """The frame of `message`: its length, then its JSON."""
+    payload = orjson.dumps(message.to_wire())
+    return _HEADER.pack(len(payload)) + payload
+
+
+def decode(payload: bytes) -> WorkerMessage | HostMessage:
+    """The message in a frame's payload; `ProtocolError` when it is not one of the table."""
+    try:
+        items = orjson.loads(payload)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"a frame that is not JSON ({exc})") from None
+    if not isinstance(items, list) or not items or not isinstance(items[0], str) or items[0] not in _KINDS:
+        raise ProtocolError("a frame that names no message of the engine protocol")
+    cls, values = _KINDS[items[0]], items[1:]
+    if len(values) != len(cls._WIRE) or not all(map(_fits, values, cls._WIRE)):
+        raise ProtocolError(f"a {cls.KIND!r} message with fields of the wrong number or type")
+    message: WorkerMessage | HostMessage = cast(Any, cls)(*values)
+    if isinstance(message, State) and message.state not in _HEALTH_STATES:
+        raise ProtocolError(f"a state message with the unknown state {message.state!r}")
+    return message
+
+
+def _fits(value: Any, accepted: tuple[type, ...]) -> bool:
+    if value is None:
+        return types.NoneType in accepted
+    return isinstance(value, accepted) and (bool in accepted or not isinstance(value, bool))
+
+
+async def read_message(
+    reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES
+) -> WorkerMessage | HostMessage | None:
+    """The next message on the connection; None when the peer closed it between two frames. A frame announcing
+    more than `max_bytes` is refused before anything of it is read."""
+    try:
+        header = await reader.readexactly(_HEADER.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise TruncatedFrameError("the connection closed in the middle of a frame's length") from None
+    (size,) = _HEADER.unpack(header)
+    if size > max_bytes:
+        raise ProtocolError(f"a frame of {size} bytes, over the limit of {max_bytes}")
+    try:
+        payload = await reader.readexactly(size)
+    except asyncio.IncompleteReadError as exc:
+        raise TruncatedFrameError(f"the connection closed after {len(exc.partial)} of a frame's {size} bytes") from None
+    return decode(payload)
