@@ -1,13 +1,18 @@
 """One engine per host: memory and throughput of `unigate serve --workers N` with a local model, for each N.
 
     .venv/bin/python benchmarks/engine_workers.py [--workers 1,4] [--requests 48] [--concurrency 8] [--model PATH]
+        [--code old=/tmp/old,new=. --rounds 3]
 
 For each N: starts `unigate serve --workers N` (no routing file: the bundled model, or `--model`) on a free port
 with a temporary data directory, waits until /health/ready says the model is up, sends 4·N concurrent warm-up
 requests on fresh connections (so every worker has served), then reads the memory of the whole process tree
 (parent, workers, engine process, embedded Redis: RSS, and PSS, which counts shared pages once) and runs
-`unigate bench` at `--concurrency` for `--requests` streamed requests (`--input-len`/`--output-len` tokens). With
-N = 1 the engine runs inside the one worker; with N > 1 in one engine process the parent starts.
+`unigate bench` at each `--concurrency` level for `--requests` streamed requests (`--input-len`/`--output-len`
+tokens). With N = 1 the engine runs inside the one worker; with N > 1 in one engine process the parent starts.
+
+`--code NAME=DIR,...` compares checkouts (e.g. a `git worktree` of an older commit) on the same host: each round
+serves every N from each checkout in turn (`PYTHONPATH=DIR`, this virtual environment), `--rounds` times; the
+client (`unigate bench`) is always this checkout's.
 """
 
 from __future__ import annotations
@@ -89,12 +94,14 @@ def wait_ready(process: subprocess.Popen[bytes], url: str, timeout_s: float = 60
         time.sleep(0.2)
 
 
-def measure(num_workers: int, args: argparse.Namespace) -> dict[str, Any]:
+def measure(num_workers: int, args: argparse.Namespace, code: str = "", code_dir: str = "") -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="ug-bench-") as data_dir:
         env = {**os.environ, "UNIGATE_MASTER_KEY": MASTER_KEY, "UNIGATE_PORT": str(port)}
         env.update({"UNIGATE_DATA_DIR": data_dir, "UNIGATE_LOG_LEVEL": "warning"})
+        if code_dir:
+            env["PYTHONPATH"] = str(Path(code_dir).resolve())
         if args.model:
             env["UNIGATE_ENGINE__MODEL_PATH"] = args.model
         process = subprocess.Popen([str(UNIGATE), "serve", "--workers", str(num_workers)], env=env, cwd=data_dir)
@@ -109,17 +116,18 @@ def measure(num_workers: int, args: argparse.Namespace) -> dict[str, Any]:
                 "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--no-telemetry",
                 "--out", str(out),
             ]  # fmt: skip
-            subprocess.run(bench, check=True, capture_output=True)
-            [level] = json.loads(out.read_text())["levels"]
+            client_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+            subprocess.run(bench, check=True, capture_output=True, env=client_env)
+            levels = json.loads(out.read_text())["levels"]
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(120)
-    return {"workers": num_workers, "ready_s": ready_s, "memory": memory, "level": level}
+    return {"code": code, "workers": num_workers, "ready_s": ready_s, "memory": memory, "levels": levels}
 
 
 def report(results: list[dict[str, Any]]) -> None:
-    print("| workers | ready s | tree RSS MiB | tree PSS MiB | parent | each worker (RSS) | engine process | redis |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| code | workers | ready s | tree RSS MiB | tree PSS MiB | parent | each worker (RSS) | engine | redis |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for result in results:
         memory = result["memory"]
         rss = sum(r for rows in memory.values() for r, _ in rows) / MIB
@@ -129,32 +137,42 @@ def report(results: list[dict[str, Any]]) -> None:
             return " / ".join(f"{r / MIB:.0f}" for r, _ in memory.get(name, [])) or "-"
 
         print(
-            f"| {result['workers']} | {result['ready_s']:.1f} | {rss:.0f} | {pss:.0f} | {cell('parent')} | "
-            f"{cell('worker')} | {cell('engine')} | {cell('redis')} |"
+            f"| {result['code']} | {result['workers']} | {result['ready_s']:.1f} | {rss:.0f} | {pss:.0f} | "
+            f"{cell('parent')} | {cell('worker')} | {cell('engine')} | {cell('redis')} |"
         )
     print()
-    print("| workers | requests | errors | output tok/s | requests/s | TTFT p50 ms | TTFT p95 ms | TPOT p50 ms |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| code | workers | c | requests | errors | output tok/s | req/s | TTFT p50 ms | TTFT p95 ms | TPOT p50 ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for result in results:
-        level = result["level"]
-        print(
-            f"| {result['workers']} | {level['requests']} | {sum(level['errors'].values())} | "
-            f"{level['output_throughput']:.1f} | "
-            f"{level['request_throughput']:.2f} | {level['ttft_ms']['p50']:.0f} | {level['ttft_ms']['p95']:.0f} | "
-            f"{level['tpot_ms']['p50']:.1f} |"
-        )
+        for level in result["levels"]:
+            print(
+                f"| {result['code']} | {result['workers']} | {level['concurrency']} | {level['requests']} | "
+                f"{sum(level['errors'].values())} | {level['output_throughput']:.1f} | "
+                f"{level['request_throughput']:.2f} | {level['ttft_ms']['p50']:.0f} | {level['ttft_ms']['p95']:.0f} | "
+                f"{level['tpot_ms']['p50']:.1f} |"
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", default="1,4", help="comma-separated worker counts")
     parser.add_argument("--requests", type=int, default=48)
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--concurrency", default="8", help="comma-separated concurrency levels")
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--model", help="HF directory or .gguf file (default: the bundled model)")
+    parser.add_argument("--code", default="", help="NAME=DIR,... checkouts to alternate (default: this one)")
+    parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
-    report([measure(int(n), args) for n in args.workers.split(",")])
+    codes = [tuple(item.split("=", 1)) for item in args.code.split(",") if item] or [("this", "")]
+    results = []
+    for _ in range(args.rounds):
+        for name, directory in codes:
+            for n in args.workers.split(","):
+                results.append(measure(int(n), args, name, directory))
+                report(results[-1:])  # as it goes: a long comparison shows progress
+    print("\nall runs, in order:\n")
+    report(results)
 
 
 if __name__ == "__main__":
