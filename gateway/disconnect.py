@@ -1,17 +1,14 @@
 """Cancel a call's upstream work when the client goes away before the response starts.
 
-    with watch_disconnect(request.receive):           # in the route, after the body was read
-        call = await open_call(...)                    # the pipeline's upstream waits run under unless_disconnected
-    ...
-    with watch_disconnect(request.receive):
-        data = await call.json()
+    with watch_disconnect(context.receive):          # in the pipeline: around `open_call`'s stream opening and
+        data = await unless_disconnected(send)       # `Call.json()`; the attempts' upstream waits run under this
 
 Once the response has started, `EventStreamResponse` watches the connection itself; before that the gateway may
 wait minutes for an upstream (a long non-streaming generation, a slow first token), holding the upstream
 connection, its `max_in_flight` lease and the caller's concurrency slot for nobody. Only the upstream waits are
-cancelled (`Call` wraps them in `unless_disconnected`): admission and settlement hold Redis reservations and
-must run to completion. The watch reaches the pipeline through a context variable because `open_call` opens a
-stream before the route gets the `Call` back.
+cancelled (`gateway.attempt` and `gateway.pipeline` wrap them in `unless_disconnected`): admission and settlement
+hold Redis reservations and must run to completion. The watch reaches the attempts through a context variable
+because the router runs them (`Router.execute`) between the pipeline that opens the watch and the awaits it covers.
 
 The watcher reads the ASGI receive channel, so it starts at the first `unless_disconnected` (after the route
 read the body; none starts when nothing waits on an upstream) and is cancelled when the `watch_disconnect` block
