@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any, Protocol, cast
 
 from backends.base import Endpoint, HealthState, Json, OutputLimits
@@ -33,6 +33,7 @@ from backends.engine_protocol import (
     State,
     TokenCount,
     TruncatedFrameError,
+    WorkerMessage,
     encode,
     read_message,
 )
@@ -55,7 +56,7 @@ class HostedBackend(Protocol):
 
     def stream(
         self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
-    ) -> Any: ...
+    ) -> AsyncIterator[Json]: ...
 
     async def count_prompt_tokens(self, body: Json) -> int: ...
 
@@ -137,7 +138,7 @@ class EngineHost:
             await connection.close()
             self._connections.discard(connection)
 
-    def _dispatch(self, connection: _Connection, message: object) -> None:
+    def _dispatch(self, connection: _Connection, message: WorkerMessage | HostMessage) -> None:
         if isinstance(message, GetState):
             connection.send(self._state(message.call_id))
         elif isinstance(message, Abort):
