@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 import orjson
 import typer
@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.markup import escape
 
 __all__ = ["register"]
+
+_Number = TypeVar("_Number", int, float)
 
 _STATUS_STYLE = {"ok": "[green]✓[/]", "warn": "[yellow]![/]", "fail": "[bold red]✗[/]"}
 _CONCLUSION_STYLE = {"good": "[bold green]{}[/]", "bad": "[bold red]{}[/]"}
@@ -24,7 +26,7 @@ def _console() -> Console:
     return console if console.is_terminal else Console(width=200)
 
 
-def _split(text: str, kind: type[int] | type[float], option: str) -> list:  # type: ignore[type-arg]
+def _split(text: str, kind: type[_Number], option: str) -> list[_Number]:
     try:
         values = [kind(part) for part in text.split(",") if part.strip()]
     except ValueError:
@@ -137,7 +139,7 @@ def bench(
         write_html(html, render_run(run))
 
 
-def _print_conclusions(console: Console, run: dict) -> None:  # type: ignore[type-arg]
+def _print_conclusions(console: Console, run: dict[str, Any]) -> None:
     from bench.report import conclusions
 
     for found in conclusions(run):

@@ -169,7 +169,7 @@ class StreamResponse:
             await connection.wait()
 
     async def read(self) -> bytes:
-        parts = []
+        parts: list[bytes] = []
         while reads := await self.body_reads():
             parts.extend(body for _, body in reads)
         return b"".join(parts)

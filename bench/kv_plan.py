@@ -140,9 +140,10 @@ def from_explicit(
     head_dim: int | None = None,
     num_params: int | None = None,
 ) -> ModelShape:
-    if num_heads is None and head_dim is None:
-        raise ValueError("give --heads (or --head-dim): the head dimension is hidden / heads")
-    num_heads = num_heads if num_heads is not None else hidden_size // head_dim  # type: ignore[operator]
+    if num_heads is None:
+        if head_dim is None:
+            raise ValueError("give --heads (or --head-dim): the head dimension is hidden / heads")
+        num_heads = hidden_size // head_dim
     head_dim = head_dim if head_dim is not None else hidden_size // num_heads
     return ModelShape(
         "explicit",
@@ -159,7 +160,7 @@ def from_explicit(
 def _estimate_params(cfg: dict[str, Any], head_dim: int, num_heads: int, num_kv_heads: int) -> int | None:
     """Llama-style count: embeddings (+ untied head), attention, gated MLP (× experts), norms."""
     hidden, vocab, inter = cfg.get("hidden_size"), cfg.get("vocab_size"), cfg.get("intermediate_size")
-    if not all(isinstance(v, int) for v in (hidden, vocab, inter)):
+    if not (isinstance(hidden, int) and isinstance(vocab, int) and isinstance(inter, int)):
         return None
     attention = hidden * head_dim * (2 * num_heads + 2 * num_kv_heads)
     mlp = 3 * hidden * inter * int(cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 1)
@@ -203,11 +204,12 @@ def _safetensors_params(folder: Path, packed_bits: int | None = None) -> _Counte
     dtypes = sorted({str(t["dtype"]) for t in tensors.values()})
 
     def params(name: str, tensor: dict[str, Any]) -> int:
+        num_elements = math.prod(int(n) for n in tensor["shape"])
         if packed_bits is None:
-            return math.prod(tensor["shape"])
+            return num_elements
         if name.endswith(".qweight"):
-            return math.prod(tensor["shape"]) * 32 // packed_bits
-        return 0 if name.endswith((".qzeros", ".scales", ".g_idx")) else math.prod(tensor["shape"])
+            return num_elements * 32 // packed_bits
+        return 0 if name.endswith((".qzeros", ".scales", ".g_idx")) else num_elements
 
     return _Counted(
         num_params=sum(params(name, t) for name, t in tensors.items()),

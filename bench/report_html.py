@@ -288,7 +288,8 @@ def _metrics_html(levels: list[dict[str, Any]], key: str) -> str:
 
 
 def _gpu_html(levels: list[dict[str, Any]], key: str) -> str:
-    rows, columns = [], []
+    rows: list[list[str]] = []
+    columns: list[str] = []
     for level in levels:
         gpus = _telemetry(level, "gpu")
         for gpu, figures in gpus.items() if isinstance(gpus, dict) else ():

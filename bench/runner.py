@@ -7,6 +7,7 @@ level), `slo_result`, plus `saturation` and `warnings`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import platform
 import subprocess
@@ -56,13 +57,15 @@ class BenchConfig:
     is_telemetry_enabled: bool = True
 
     def level_specs(self) -> list[LevelSpec]:
-        common = {"warmup_s": self.warmup_s, "duration_s": self.duration_s, "max_requests": self.max_requests}
+        level = functools.partial(
+            LevelSpec, warmup_s=self.warmup_s, duration_s=self.duration_s, max_requests=self.max_requests
+        )
         if self.rate:
             return [
-                LevelSpec(rate=r, max_in_flight=self.max_in_flight, seed=self.seed + i, **common)  # type: ignore[arg-type]
+                level(rate=r, max_in_flight=self.max_in_flight, seed=self.seed + i)
                 for i, r in enumerate(sorted(self.rate))
             ]
-        return [LevelSpec(concurrency=c, **common) for c in sorted(self.concurrency)]  # type: ignore[arg-type]
+        return [level(concurrency=c) for c in sorted(self.concurrency)]
 
     def to_dict(self) -> dict[str, Any]:
         config = asdict(self)

@@ -126,7 +126,8 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     else:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
-    return tokenizer  # type: ignore[no-any-return]
+    # transformers types `decode` as returning `str | list[str]`; a flat list of ids always decodes to one str
+    return tokenizer  # type: ignore[return-value]
 
 
 def _prompt_text(rng: random.Random, num_tokens: int, tokenizer: Tokenizer | None) -> tuple[str, int | None]:
