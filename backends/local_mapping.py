@@ -16,7 +16,7 @@ from typing import Any
 from backends.base import MAX_TOKENS_CLAMPED_KEY, Endpoint, Json
 from backends.tool_calls import ToolCallStream, parse_tool_calls, plain_tool_messages, tool_names
 from gateway.errors import EngineError, InvalidRequestError
-from local_engine.errors import InvalidParamError, PromptTooLongError
+from local_engine.errors import DuplicateRequestError, InvalidParamError, LocalEngineError, PromptTooLongError
 from local_engine.output_processor import CompletionOutput, RequestOutput, TokenLogprob
 from local_engine.sampling_params import SamplingParams, from_openai
 
@@ -47,19 +47,20 @@ TokenText = Callable[[int], tuple[str, list[int]]]
 
 @contextmanager
 def engine_errors(endpoint: Endpoint) -> Iterator[None]:
-    """The engine's errors as the gateway's, for a request to `endpoint`: a refusal (`InvalidParamError`, any
-    `ValueError`) is a 400 naming the field, a failure (`RequestFailedError`, `EngineDeadError`, any
-    `RuntimeError`) a 500 `engine_error`. Gateway errors pass through."""
+    """The engine's errors (`local_engine.errors`) as the gateway's, for a request to `endpoint`: a refusal
+    (`InvalidParamError`, `DuplicateRequestError`) is a 400 naming the field, any other engine error (a request
+    that failed, a dead engine) a 500 `engine_error`. Anything else passes through: gateway errors as they are,
+    and a builtin error is a bug, not the engine's answer."""
     try:
         yield
-    except ValueError as exc:
+    except (InvalidParamError, DuplicateRequestError) as exc:
         raise invalid_request(exc, endpoint) from None
-    except RuntimeError as exc:
+    except LocalEngineError as exc:
         raise EngineError(f"The local engine failed: {exc}") from None
 
 
-def invalid_request(exc: ValueError, endpoint: Endpoint) -> InvalidRequestError:
-    """The engine's refusals (`local_engine.errors.InvalidParamError`, which names the field) as 400s."""
+def invalid_request(exc: InvalidParamError | DuplicateRequestError, endpoint: Endpoint) -> InvalidRequestError:
+    """The engine's refusals as 400s: `InvalidParamError` names the field (the prompt's when it names none)."""
     prompt_param = "messages" if endpoint == "chat/completions" else "prompt"
     if isinstance(exc, PromptTooLongError):
         return InvalidRequestError(str(exc), code="context_length_exceeded", param=prompt_param)
@@ -129,7 +130,8 @@ def _num_chars(value: Any) -> int:
 
 def prompt_ids(tokenizer: Any, is_chat: bool, body: Json) -> list[list[int]]:
     """The token ids of each prompt: one for chat (rendered with the model's chat template), one per prompt for
-    completions. Refusals are `InvalidRequestError`s, or engine errors for `engine_errors`."""
+    completions. Refusals are `InvalidRequestError`s, or the tokenizer's `InvalidParamError`s for `engine_errors`
+    (a chat template that refuses the messages or cannot render them)."""
     return _chat_prompt(tokenizer, body) if is_chat else _text_prompts(tokenizer, body)
 
 
@@ -204,20 +206,7 @@ def _chat_prompt(tokenizer: Any, body: Json) -> list[list[int]]:
     rendered = place_system_messages([_message_text(m) for m in messages])
     if not tokenizer.renders_tool_calls:
         rendered = plain_tool_messages(rendered)
-    try:
-        ids = tokenizer.apply_chat_template(rendered, tools=tools)
-    except InvalidParamError:  # the template's own refusal (e.g. roles out of order): `engine_errors` maps it
-        raise
-    except (RecursionError, TypeError, ValueError) as exc:
-        # The chat template renders what the caller sent: a value nested hundreds deep or of a type the template
-        # cannot print is the caller's 400, never the engine's 500.
-        raise InvalidRequestError(
-            f"The messages or tools cannot be rendered into the model's chat template ({type(exc).__name__}). "
-            "Send text content, tool definitions with JSON-schema parameters, and no deeply nested values.",
-            code="invalid_messages",
-            param="messages",
-        ) from None
-    return [list(ids)]
+    return [list(tokenizer.apply_chat_template(rendered, tools=tools))]
 
 
 def _text_prompts(tokenizer: Any, body: Json) -> list[list[int]]:

@@ -22,7 +22,7 @@ from enum import Enum
 from typing import Any
 
 from local_engine.engine import LLMEngine
-from local_engine.errors import EngineDeadError, RequestFailedError
+from local_engine.errors import DuplicateRequestError, EngineDeadError, LocalEngineError, RequestFailedError
 from local_engine.output_processor import RequestOutput
 from local_engine.sampling_params import SamplingParams
 
@@ -47,13 +47,14 @@ class _Stream:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[RequestOutput | LocalEngineError] = asyncio.Queue()
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        # (request id, prompt ids, params) of a request to add, or the id of one to abort
+        self._inbox: queue.SimpleQueue[tuple[str, list[int], SamplingParams] | str] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams between the loop thread and the engine thread
@@ -96,9 +97,9 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
+                raise DuplicateRequestError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._inbox.put(("add", (request_id, prompt_token_ids, params)))
+        self._inbox.put((request_id, prompt_token_ids, params))
         self._wakeup.set()
         if not self._thread.is_alive():  # died after the first check: nobody would ever answer
             with self._lock:
@@ -109,7 +110,7 @@ class AsyncEngine:
         try:
             while True:
                 item = await stream.queue.get()
-                if isinstance(item, BaseException):
+                if isinstance(item, LocalEngineError):
                     raise item
                 if item.error is not None:
                     finished = True  # the engine already dropped it
@@ -126,7 +127,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; takes effect before the next step."""
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(request_id)
         self._wakeup.set()
 
     def stats(self) -> dict[str, Any]:
@@ -154,22 +155,26 @@ class AsyncEngine:
         engine = self.engine
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                request_id, prompt, params = payload
+            if isinstance(item, tuple):
+                request_id, prompt, params = item
                 with self._lock:
                     is_live = request_id in self._streams
                 if is_live:
                     try:
                         engine.add_request(request_id, prompt, params)
-                    except Exception as error:  # validated already: fail this request alone, never the loop
+                    except LocalEngineError as error:  # e.g. a refusal: the request's stream raises it
                         self._deliver([(request_id, error)])  # (add_request registers nothing when it raises)
+                    except Exception as error:  # validated already: fail this request alone, never the loop
+                        failed = RequestFailedError(f"the local engine failed this request: {error!r}")
+                        failed.__cause__ = error
+                        self._deliver([(request_id, failed)])
             else:
-                final = engine.abort_request(payload)
+                final = engine.abort_request(item)
                 if final is not None:  # an abort from outside the stream: let its reader finish
-                    self._deliver([(payload, final)])
+                    self._deliver([(item, final)])
 
     def _run(self) -> None:
         try:
@@ -215,9 +220,9 @@ class AsyncEngine:
         self._is_restarting = False
         logger.info("local engine restarted (%d restarts so far)", self.num_restarts)
 
-    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+    def _deliver(self, items: list[tuple[str, RequestOutput | LocalEngineError]]) -> None:
         """Push items to their streams, one thread-safe hand-off per event loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput | BaseException]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput | LocalEngineError]]] = {}
         with self._lock:
             for request_id, item in items:
                 stream = self._streams.get(request_id)
@@ -236,6 +241,6 @@ class AsyncEngine:
         self._deliver([(r, dead) for r in request_ids])
 
 
-def _put_all(batch: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+def _put_all(batch: list[tuple[_Stream, RequestOutput | LocalEngineError]]) -> None:
     for stream, item in batch:
         stream.queue.put_nowait(item)

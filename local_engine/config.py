@@ -16,6 +16,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from local_engine.errors import ModelLoadError
+
 __all__ = ["DTYPE_BYTES", "KV_SCALE_BYTES", "EngineConfig", "KVCapacity", "ModelConfig", "SpeculativeConfig"]
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -37,7 +39,7 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if rope_type == "default":
         return theta, None
     if rope_type not in ("llama3", "linear"):
-        raise ValueError(f"rope scaling {rope_type!r} is not supported (supported: default, linear, llama3)")
+        raise ModelLoadError(f"rope scaling {rope_type!r} is not supported (supported: default, linear, llama3)")
     return theta, {"rope_type": rope_type, **scaling}
 
 
@@ -98,14 +100,14 @@ class ModelConfig:
         """Build from a Hugging Face `config.json` dict; rejects what this engine would compute wrongly."""
         model_type = hf.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
+            raise ModelLoadError(
                 f"model_type {model_type!r} is not supported by the local engine "
                 f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
             )
         if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {hf.get('hidden_act')!r} is not supported (only silu)")
+            raise ModelLoadError(f"hidden_act {hf.get('hidden_act')!r} is not supported (only silu)")
         if hf.get("mlp_bias"):
-            raise ValueError("mlp_bias=True is not supported")
+            raise ModelLoadError("mlp_bias=True is not supported")
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = hf.get("head_dim") or hidden // num_heads

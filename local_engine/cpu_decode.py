@@ -25,7 +25,7 @@ import torch
 from local_engine.kernels import cpu as cpu_kernels
 from local_engine.layers.attention import AttentionMetadata
 from local_engine.layers.linear import PackedLinear
-from local_engine.models.llama import LlamaForCausalLM
+from local_engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 __all__ = ["CpuDecoder"]
 
@@ -40,6 +40,11 @@ def _scale_pointers(scales: list[torch.Tensor | None]) -> ctypes.Array[ctypes.c_
     return None if scales[0] is None else _pointers([s for s in scales if s is not None])
 
 
+def _as_pointer(array: ctypes.Array[ctypes.c_void_p] | None) -> ctypes._Pointer[ctypes.c_void_p] | None:
+    """A `void **` struct field: the array's first element, or NULL."""
+    return None if array is None else ctypes.cast(array, ctypes.POINTER(ctypes.c_void_p))
+
+
 class CpuDecoder:
     """The model's weights as the native decoder reads them, plus scratch for `max_rows` rows."""
 
@@ -47,7 +52,7 @@ class CpuDecoder:
         self.kernel = kernel
         self.max_rows = max_rows
         config = model.config
-        layers = list(model.model.layers)
+        layers = model.model.decoder_layers
         attn0 = layers[0].self_attn
         self.embed = model.model.embed_tokens.weight
         self.hidden = config.hidden_size
@@ -57,14 +62,13 @@ class CpuDecoder:
             max_rows * (2 * self.hidden + qkv_size + q_size + 2 * config.intermediate_size), dtype=torch.float32
         )
 
-        def proj(name: str) -> list[PackedLinear]:
-            return [getattr(layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp, name) for layer in layers]
+        per_layer = [_projections(layer) for layer in layers]
 
         def panels(name: str) -> list[torch.Tensor]:
-            return [p.panels for p in proj(name) if p.panels is not None]
+            return [panel for projections in per_layer if (panel := projections[name].panels) is not None]
 
         def biases(name: str) -> ctypes.Array[ctypes.c_void_p] | None:
-            found = [p.bias for p in proj(name)]
+            found = [projections[name].bias for projections in per_layer]
             return None if found[0] is None else _pointers([b for b in found if b is not None])
 
         norms = [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in layers]
@@ -97,12 +101,12 @@ class CpuDecoder:
             num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
             block_size=attn0.attn.k_cache.shape[1],
-            weight_format=attn0.qkv_proj.weight_format,
+            weight_format=per_layer[0]["qkv_proj"].weight_format,
             eps=config.rms_norm_eps,
             scale=attn0.attn.scale,
             final_norm=model.model.norm.weight.data_ptr(),
             cos_sin=model.cos_sin_cache.data_ptr(),
-            **{name: ctypes.cast(array, ctypes.POINTER(ctypes.c_void_p)) for name, array in self._arrays.items()},
+            **{name: _as_pointer(array) for name, array in self._arrays.items()},
         )
 
     @classmethod
@@ -149,20 +153,37 @@ class CpuDecoder:
         return out
 
 
+def _projections(layer: LlamaDecoderLayer) -> dict[str, PackedLinear]:
+    """The layer's four projections by name, each in the native kernel's panels (`_unsupported` checked it)."""
+    attention, mlp = layer.self_attn, layer.mlp
+    linears = {
+        "qkv_proj": attention.qkv_proj,
+        "o_proj": attention.o_proj,
+        "gate_up_proj": mlp.gate_up_proj,
+        "down_proj": mlp.down_proj,
+    }
+    packed: dict[str, PackedLinear] = {}
+    for name, linear in linears.items():
+        assert isinstance(linear, PackedLinear)
+        packed[name] = linear
+    return packed
+
+
 def _unsupported(model: LlamaForCausalLM, kernel: cpu_kernels.Kernel, max_rows: int) -> str | None:
     """Why the native decoder cannot run this model, or None when it can."""
     config = model.config
     if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in model.parameters()):
         return "the weights are not float32 on CPU"
-    formats = set()
-    for layer in model.model.layers:
+    layers = model.model.decoder_layers
+    formats: set[int] = set()
+    for layer in layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             if not isinstance(linear, PackedLinear) or linear.panels is None or linear.native_max_rows < max_rows:
                 return "the projections are not packed in the native kernel's panels"
             formats.add(linear.weight_format)
     if len(formats) > 1:
         return "the projections' panels hold weights in more than one format"
-    for layer in model.model.layers:
+    for layer in layers:
         attn = layer.self_attn.attn
         if not (attn.k_cache.dim() == 4 and attn.k_cache.is_contiguous() and attn.v_cache.is_contiguous()):
             return "the KV cache is not allocated"
@@ -172,7 +193,7 @@ def _unsupported(model: LlamaForCausalLM, kernel: cpu_kernels.Kernel, max_rows: 
         if is_int8 and config.head_dim > kernel.max_head_dim:
             return "the head dim is past the int8 KV write's limit"
     group = config.num_attention_heads // config.num_key_value_heads
-    block_size = model.model.layers[0].self_attn.attn.k_cache.shape[1]
+    block_size = layers[0].self_attn.attn.k_cache.shape[1]
     if not (
         config.num_attention_heads <= kernel.max_heads
         and group <= kernel.max_group

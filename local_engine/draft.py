@@ -32,6 +32,7 @@ import torch
 
 from local_engine.block_manager import BlockManager
 from local_engine.config import EngineConfig, KVCapacity, ModelConfig, SpeculativeConfig
+from local_engine.errors import ModelLoadError
 from local_engine.model_runner import TORCH_DTYPES, ModelRunner
 from local_engine.sampler import Sampler
 from local_engine.scheduler import ScheduledBatch
@@ -92,7 +93,7 @@ class DraftProposer(Proposer):
             model = ModelConfig.from_hf_config(checkpoint.hf_config)
             state_dict, block_weights = checkpoint.state_dict, checkpoint.blocks
         if model.vocab_size != target.vocab_size:
-            raise ValueError(
+            raise ModelLoadError(
                 f"the draft model's vocabulary ({model.vocab_size} tokens) is not the target's ({target.vocab_size}):"
                 " a draft must share the target's tokenizer (UNIGATE_ENGINE__SPECULATIVE__DRAFT_MODEL_PATH)"
             )
@@ -109,7 +110,7 @@ class DraftProposer(Proposer):
         try:
             runner = ModelRunner(model, config.model_copy(update=options), state_dict, block_weights)
         except torch.cuda.OutOfMemoryError as exc:
-            raise ValueError(
+            raise ModelLoadError(
                 "the draft model and its KV cache do not fit next to the target: lower gpu_memory_utilization (the "
                 "target takes that share of the GPU), or kv_cache_memory"
             ) from exc
@@ -293,7 +294,7 @@ def _first_layers(
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, tuple[str, np.ndarray]] | None]:
     """The model cut to its first `num_layers` decoder layers (the final norm and the output head kept)."""
     if num_layers > model.num_hidden_layers:
-        raise ValueError(
+        raise ModelLoadError(
             f"draft_num_layers ({num_layers}) exceeds the draft model's {model.num_hidden_layers} layers: lower it or "
             "unset it (all layers)"
         )

@@ -18,14 +18,14 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from local_engine.block_manager import BlockManager
 from local_engine.config import EngineConfig, ModelConfig
-from local_engine.errors import InvalidParamError, PromptTooLongError
+from local_engine.errors import DuplicateRequestError, InvalidParamError, PromptTooLongError
 from local_engine.metrics import ThroughputMeter
 from local_engine.model_runner import ModelRunner
 from local_engine.output_processor import (
@@ -33,14 +33,17 @@ from local_engine.output_processor import (
     Detokenizer,
     IncrementalDetokenizer,
     RequestOutput,
-    TokenLogprob,
     accumulate,
 )
-from local_engine.sampler import Sampler, SamplerOutput, VerifyOutput
+from local_engine.sampler import Sampler
 from local_engine.sampling_params import SamplingParams
 from local_engine.scheduler import ScheduledBatch, Scheduler
 from local_engine.sequence import FinishReason, Sequence
 from local_engine.speculative import build_speculator, off_stats
+from local_engine.step_tokens import StepTokens, sample, verify
+
+if TYPE_CHECKING:
+    from local_engine.loader import Checkpoint
 
 __all__ = ["LLMEngine", "PromptTooLongError"]
 
@@ -131,29 +134,29 @@ class LLMEngine:
 
     @classmethod
     def from_checkpoint(
-        cls, checkpoint: Any, engine_config: EngineConfig, *, cache_dir: Path | None = None
+        cls, checkpoint: Checkpoint, engine_config: EngineConfig, *, cache_dir: Path | None = None
     ) -> LLMEngine:
-        """From `local_engine.loader.Checkpoint` (hf_config, state_dict, tokenizer)."""
+        """From a loaded checkpoint (`local_engine.loader.load_checkpoint`)."""
         model_config = ModelConfig.from_hf_config(checkpoint.hf_config)
         declared = checkpoint.hf_config.get("unigate_quantization")
         if declared and engine_config.quantization == "none":  # a pre-quantized checkpoint (`prequantized.py`)
             engine_config = engine_config.model_copy(
                 update={"quantization": declared["method"], "quantization_group_size": declared["group_size"]}
             )
-        _warn_sliding_window(str(getattr(checkpoint, "source", "the checkpoint")), model_config, engine_config)
+        _warn_sliding_window(checkpoint.source, model_config, engine_config)
         tokenizer = checkpoint.tokenizer
-        eos = frozenset(model_config.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()))
+        eos = frozenset(model_config.eos_token_ids) | tokenizer.eos_token_ids
         engine = cls(
             model_config,
             engine_config,
             checkpoint.state_dict,
             tokenizer=tokenizer,
             eos_token_ids=eos,
-            block_weights=getattr(checkpoint, "blocks", None),
+            block_weights=checkpoint.blocks,
             cache_dir=cache_dir,
         )
         engine.checkpoint_quantization = declared.get("checkpoint") if declared else None
-        engine.model_sampling_defaults = dict(getattr(checkpoint, "sampling_defaults", {}))
+        engine.model_sampling_defaults = dict(checkpoint.sampling_defaults)
         return engine
 
     @property
@@ -186,7 +189,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already running")
+            raise DuplicateRequestError(f"request id {request_id!r} is already running")
         max_tokens = self.validate(prompt_token_ids, params)
         request = self._build_request(request_id, prompt_token_ids, params, max_tokens)
         self.requests[request_id] = request
@@ -247,73 +250,37 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and return the requests that progressed."""
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running, self.scheduler.max_model_len)
+        """Schedule, run the model once, sample (or verify the proposed tokens), and return the requests that
+        progressed."""
+        speculator = self.speculator
+        if speculator is not None:
+            speculator.propose(self.scheduler.running, self.scheduler.max_model_len)
         batch = self.scheduler.schedule()
-        if self.speculator is not None:
+        if speculator is not None:
             for seq in batch.preempted:
-                self.speculator.forget(seq)
+                speculator.forget(seq)
         if batch.is_empty:
             return []
-        sampling_seqs = [s for s, m in zip(batch.seqs, batch.sampling_mask(), strict=True) if m]
-        num_prompt = sum(
-            min(n, max(0, s.num_prompt_tokens - s.num_computed_tokens))
-            for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
-        )
+        seqs = [s for s, is_sampling in zip(batch.seqs, batch.sampling_mask(), strict=True) if is_sampling]
+        num_prompt = _num_prompt_tokens(batch)
         logits = self.runner.run(batch)
-        if self.speculator is not None and any(s.spec_token_ids for s in sampling_seqs):
-            return self._verify_step(batch, sampling_seqs, logits, num_prompt)
-        sampled, failed = self._sample(logits, sampling_seqs)
-        self.scheduler.postprocess(batch, sampled.token_ids)
-        self.meter.record(num_prompt, len(sampling_seqs))
-        requests = self.requests
-        changed: dict[str, tuple[_Request, list[CompletionOutput]]] = {}
-        for seq, logprob in zip(sampling_seqs, sampled.logprobs, strict=True):
-            if seq.request_id in failed:
-                continue
-            request = requests[seq.request_id]
-            try:
-                out = self._process_token(seq, request)
-            except Exception as error:  # this request's own processing: fail it alone
-                failed[seq.request_id] = error
-                continue
-            if logprob is not None:
-                out.logprobs = [logprob]
-            _collect(changed, request, out)
-        return self._results(changed, failed)
-
-    def _results(
-        self, changed: dict[str, tuple[_Request, list[CompletionOutput]]], failed: dict[str, Exception]
-    ) -> list[RequestOutput]:
-        results = [self._fail_request(request_id, error) for request_id, error in failed.items()]
-        for request_id, (request, outputs) in changed.items():
-            if request_id in failed:
-                continue
-            if request.is_finished:
-                del self.requests[request_id]
-                results.append(request.final_output(outputs))
-                continue
-            first = request.seqs[0]
-            results.append(RequestOutput(request_id, outputs, first.num_prompt_tokens, first.num_cached_tokens))
-        return results
-
-    def _verify_step(
-        self, batch: ScheduledBatch, seqs: list[Sequence], logits: torch.Tensor, num_prompt: int
-    ) -> list[RequestOutput]:
-        """The rest of a step in which some sequences verify proposed tokens (`local_engine/speculative.py`)."""
-        speculator = self.speculator
-        assert speculator is not None
-        verified, failed = self._verify(logits, seqs)
-        num_proposed = [len(s.spec_token_ids) for s in seqs]
+        if speculator is not None and any(s.spec_token_ids for s in seqs):
+            new = verify(speculator, self.sampler, logits, seqs)
+        else:
+            new = sample(self.sampler, logits, seqs)
         num_before = [len(s.token_ids) for s in seqs]
-        self.scheduler.postprocess(batch, verified.token_ids, verified.accepted_token_ids)
-        for seq, proposed, accepted in zip(seqs, num_proposed, verified.accepted_token_ids, strict=True):
-            if proposed:
-                speculator.record(seq, proposed, len(accepted))
+        self.scheduler.postprocess(batch, new.token_ids, new.accepted_token_ids)
+        if speculator is not None and new.accepted_token_ids is not None:
+            speculator.record_step(seqs, new.num_proposed, new.accepted_token_ids)
         self.meter.record(num_prompt, sum(len(s.token_ids) - n for s, n in zip(seqs, num_before, strict=True)))
+        return self._outputs(seqs, num_before, new)
+
+    def _outputs(self, seqs: list[Sequence], num_before: list[int], new: StepTokens) -> list[RequestOutput]:
+        """Each request's output of this step: its sequences' new tokens detokenized and checked for stop strings
+        (`_process_tokens`), or the final output of a request that failed (`_fail_request`)."""
+        failed = new.failed
         changed: dict[str, tuple[_Request, list[CompletionOutput]]] = {}
-        for seq, before, logprobs in zip(seqs, num_before, verified.logprobs, strict=True):
+        for seq, before, logprobs in zip(seqs, num_before, new.logprobs, strict=True):
             if seq.request_id in failed:
                 continue
             request = self.requests[seq.request_id]
@@ -325,31 +292,17 @@ class LLMEngine:
             if logprobs[0] is not None:
                 out.logprobs = [lp for lp in logprobs[: len(out.token_ids)] if lp is not None]
             _collect(changed, request, out)
-        return self._results(changed, failed)
-
-    def _verify(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[VerifyOutput, dict[str, Exception]]:
-        """`Sampler.verify` over the batch; when that raises, sequence by sequence (as `_sample` does)."""
-        assert self.speculator is not None
-        draft_probs = self.speculator.proposal_probs(seqs)
-        try:
-            return self.sampler.verify(logits, seqs, draft_probs), {}
-        except Exception:
-            pass
-        merged = VerifyOutput([], [], [])
-        failed: dict[str, Exception] = {}
-        row = 0
-        for seq, q in zip(seqs, draft_probs, strict=True):
-            num_rows = len(seq.spec_token_ids) + 1
-            try:
-                out = self.sampler.verify(logits[row : row + num_rows], [seq], [q])
-            except Exception as error:
-                failed.setdefault(seq.request_id, error)
-                out = VerifyOutput([[]], [0], [[None]])
-            merged.accepted_token_ids.extend(out.accepted_token_ids)
-            merged.token_ids.extend(out.token_ids)
-            merged.logprobs.extend(out.logprobs)
-            row += num_rows
-        return merged, failed
+        results = [self._fail_request(request_id, error) for request_id, error in failed.items()]
+        for request_id, (request, outputs) in changed.items():
+            if request_id in failed:
+                continue
+            if request.is_finished:
+                del self.requests[request_id]
+                results.append(request.final_output(outputs))
+                continue
+            first = request.seqs[0]
+            results.append(RequestOutput(request_id, outputs, first.num_prompt_tokens, first.num_cached_tokens))
+        return results
 
     def _process_tokens(self, seq: Sequence, request: _Request, num_before: int) -> CompletionOutput:
         """`_process_token` for the tokens a verification appended (`seq.token_ids[num_before:]`): a stop string
@@ -392,28 +345,6 @@ class LLMEngine:
         self.sampler.forget(seq)
         if self.speculator is not None:
             self.speculator.forget(seq)
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[SamplerOutput, dict[str, Exception]]:
-        """Sample the batch; when that raises, sample row by row so only the requests whose rows raise fail.
-        Failed rows get a placeholder token; their requests are aborted after postprocessing."""
-        try:
-            return self.sampler(logits, seqs), {}
-        except Exception:
-            pass
-        token_ids: list[int] = []
-        logprobs: list[TokenLogprob | None] = []
-        failed: dict[str, Exception] = {}
-        for row, seq in enumerate(seqs):
-            try:
-                out = self.sampler(logits[row : row + 1], [seq])
-            except Exception as error:
-                failed.setdefault(seq.request_id, error)
-                token_ids.append(0)
-                logprobs.append(None)
-            else:
-                token_ids.extend(out.token_ids)
-                logprobs.extend(out.logprobs)
-        return SamplerOutput(token_ids, logprobs), failed
 
     def _fail_request(self, request_id: str, error: Exception) -> RequestOutput:
         """End one request whose processing raised: free its blocks and hand back a final output with `error`."""
@@ -523,6 +454,14 @@ class LLMEngine:
             "capacity": self.capacity.as_dict(),
             **(self.speculator.stats() if self.speculator is not None else off_stats()),
         }
+
+
+def _num_prompt_tokens(batch: ScheduledBatch) -> int:
+    """The prompt tokens `batch` computes (read before `Scheduler.postprocess` moves `num_computed_tokens`)."""
+    return sum(
+        min(n, max(0, s.num_prompt_tokens - s.num_computed_tokens))
+        for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+    )
 
 
 def _collect(

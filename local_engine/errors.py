@@ -1,22 +1,31 @@
 """The engine's own error tree (pure Python; the gateway translates it at one point, `backends/local.py`).
 
     LocalEngineError
-    ├── CheckpointError                   a model, its weights or its tokenizer cannot be loaded; `code` says why
-    ├── InvalidParamError (ValueError)    a request the engine refuses before queueing it; `param` names the field
-    │   └── PromptTooLongError            the prompt (+ max_tokens) cannot fit the model's context or the KV cache
-    ├── RequestFailedError (RuntimeError) processing ONE request failed; that request ends, the engine keeps going
-    └── EngineDeadError (RuntimeError)    the step loop stopped (shut down, or it failed and could not restart)
+    ├── CheckpointError                     a model, its weights or its tokenizer cannot be loaded; `code` says why
+    ├── ModelLoadError (ValueError)         the engine cannot be built for this model with these settings
+    ├── InvalidParamError (ValueError)      a request the engine refuses before queueing it; `param` names the field
+    │   └── PromptTooLongError              the prompt (+ max_tokens) cannot fit the model's context or the KV cache
+    ├── DuplicateRequestError (ValueError)  a request id that is already running
+    ├── EngineBusyError (RuntimeError)      a call that needs an idle engine (perplexity) while requests run
+    ├── RequestFailedError (RuntimeError)   processing ONE request failed; that request ends, the engine keeps going
+    └── EngineDeadError (RuntimeError)      the step loop stopped (shut down, or it failed and could not restart)
 
-The `ValueError` / `RuntimeError` bases keep older callers that catch those working.
+These are the only errors the engine's entry points raise on purpose (`LLMEngine`, `AsyncEngine`, `load_checkpoint`,
+`Tokenizer`, `perplexity`); builtin errors stay inside. The `ValueError` / `RuntimeError` bases keep callers that
+catch those working. Errors raised inside pydantic validators (`config.py`) stay `ValueError`: pydantic turns them
+into its `ValidationError` when the settings are built, before any engine exists.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "CheckpointError",
+    "DuplicateRequestError",
+    "EngineBusyError",
     "EngineDeadError",
     "InvalidParamError",
     "LocalEngineError",
+    "ModelLoadError",
     "PromptTooLongError",
     "RequestFailedError",
 ]
@@ -36,6 +45,13 @@ class CheckpointError(LocalEngineError):
         self.code = code
 
 
+class ModelLoadError(LocalEngineError, ValueError):
+    """An engine that cannot be built as asked: a model feature it does not implement (an architecture, rope
+    scaling, activation), checkpoint tensors that do not fit the model, or settings this model or host cannot
+    honour (an attention backend, a KV cache budget that holds no block, a draft model). Unlike `CheckpointError`
+    it carries no code of its own: the gateway reports it as the load's failure."""
+
+
 class InvalidParamError(LocalEngineError, ValueError):
     """A request field the engine cannot run with. `param` is the request field's name (OpenAI spelling), or
     None when the request as a whole is at fault; `code` names the refusal when it is more specific than
@@ -49,6 +65,14 @@ class InvalidParamError(LocalEngineError, ValueError):
 
 class PromptTooLongError(InvalidParamError):
     """A request that cannot fit even alone (prompt + max_tokens beyond the model length or the KV cache)."""
+
+
+class DuplicateRequestError(LocalEngineError, ValueError):
+    """A request added under an id that a running request already holds."""
+
+
+class EngineBusyError(LocalEngineError, RuntimeError):
+    """A call that runs in the engine's own KV cache (`perplexity`) made while requests are in the engine."""
 
 
 class RequestFailedError(LocalEngineError, RuntimeError):

@@ -33,7 +33,7 @@ import torch
 
 from local_engine import prequantized
 from local_engine import quantization as quant
-from local_engine.errors import CheckpointError, InvalidParamError
+from local_engine.errors import CheckpointError, InvalidParamError, ModelLoadError
 from local_engine.sampling_params import SAMPLING_DEFAULT_FIELDS, sampling_defaults
 from local_engine.tokenizer import Tokenizer
 from local_engine.weights_cache import WeightsCache
@@ -131,7 +131,7 @@ def load_checkpoint(
     started = time.perf_counter()
     blocks: dict[str, tuple[str, np.ndarray]] = {}
     if quantization not in ("none", "int8", "int4"):
-        raise ValueError(f"quantization must be none, int8 or int4, got {quantization!r}")
+        raise ModelLoadError(f"quantization must be none, int8 or int4, got {quantization!r}")
     if quantization != "none" and source.is_dir() and (source / "config.json").is_file():
         packed = prequantized.packed_format(_read_json(source / "config.json"), source)
         if packed is not None:

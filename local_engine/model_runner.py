@@ -16,6 +16,7 @@ import torch
 from local_engine.config import EngineConfig, KVCapacity, ModelConfig
 from local_engine.cpu_decode import CpuDecoder
 from local_engine.cuda_graphs import DecodeGraphs, capture_sizes
+from local_engine.errors import ModelLoadError
 from local_engine.kernels import cpu as cpu_kernels
 from local_engine.layers.attention import Attention, AttentionMetadata
 from local_engine.layers.backend import Ops, select_ops
@@ -207,7 +208,7 @@ class ModelRunner:
             budget = self.engine_config.cpu_kv_cache_memory
         num_blocks = budget // (bytes_per_token * self.block_size + scale_bytes)
         if num_blocks < 1:
-            raise ValueError(
+            raise ModelLoadError(
                 f"the KV cache budget ({budget} bytes) holds no block of {self.block_size} tokens "
                 f"({bytes_per_token} bytes per token): raise kv_cache_memory or gpu_memory_utilization, or lower "
                 "max_num_batched_tokens (the activation peak grows with it)"
@@ -229,7 +230,7 @@ class ModelRunner:
         try:
             self.dummy_forward()
         except torch.cuda.OutOfMemoryError as exc:
-            raise ValueError(
+            raise ModelLoadError(
                 f"the profiling forward pass of {self._dummy_num_tokens} tokens ran out of GPU memory: lower "
                 "max_num_batched_tokens, or set kv_cache_memory to skip profiling"
             ) from exc

@@ -27,13 +27,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from local_engine.config import EngineConfig, ModelConfig
 from local_engine.engine import LLMEngine
+from local_engine.errors import EngineBusyError, InvalidParamError
 from local_engine.layers.attention import AttentionMetadata
+from local_engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from local_engine.loader import Checkpoint
 
 __all__ = ["QUALITY_THRESHOLDS", "Perplexity", "QualityReport", "check_quality", "evaluation_text", "perplexity"]
 
@@ -67,16 +72,16 @@ def perplexity(
     """Perplexity of `engine`'s model over `token_ids` (at least 2), with windows of `window` tokens (default: the
     most the engine's context and KV cache hold) starting every `stride` tokens (default: half a window)."""
     if engine.has_unfinished_requests:
-        raise RuntimeError("perplexity needs an idle engine: it runs in the engine's own KV cache")
+        raise EngineBusyError("perplexity needs an idle engine: it runs in the engine's own KV cache")
     if len(token_ids) < 2:
-        raise ValueError("perplexity needs at least 2 tokens")
+        raise InvalidParamError("perplexity needs at least 2 tokens", param="token_ids")
     capacity = engine.capacity.num_tokens
     window = min(window or engine.max_model_len, engine.max_model_len, capacity)
     stride = stride or max(1, window // 2)
     if window < 2:
-        raise ValueError(f"the window must hold at least 2 tokens, got {window}")
+        raise InvalidParamError(f"the window must hold at least 2 tokens, got {window}", param="window")
     if not 0 < stride <= window:
-        raise ValueError(f"stride ({stride}) must be in [1, window ({window})]")
+        raise InvalidParamError(f"stride ({stride}) must be in [1, window ({window})]", param="stride")
     total_nll = 0.0
     num_scored = 0
     scored_end = 1  # the first token has no prediction
@@ -154,7 +159,7 @@ def quantized_setting(config: EngineConfig) -> tuple[str, float] | None:
 
 def check_quality(
     engine: LLMEngine,
-    load_reference: Callable[[], Any],
+    load_reference: Callable[[], Checkpoint],
     *,
     num_tokens: int = CHECK_NUM_TOKENS,
 ) -> QualityReport | None:
@@ -167,12 +172,13 @@ def check_quality(
     if setting is None:
         logger.info("quantization check: weights and KV cache are not quantized; nothing to check")
         return None
-    if engine.tokenizer is None:
+    tokenizer = engine.tokenizer
+    if not isinstance(tokenizer, Tokenizer):  # None, or a decode-only stand-in
         logger.warning("quantization check skipped: the engine has no tokenizer to encode the evaluation text")
         return None
     description, threshold = setting
     started = time.perf_counter()
-    tokens = engine.tokenizer.encode(evaluation_text())[:num_tokens]
+    tokens = tokenizer.encode(evaluation_text())[:num_tokens]
     # The same windows on both sides: one window of all the tokens unless the served engine holds fewer.
     window = min(len(tokens), engine.max_model_len, engine.capacity.num_tokens)
     served = perplexity(engine, tokens, window=window)
@@ -196,7 +202,7 @@ def check_quality(
     return report
 
 
-def _reference_engine(checkpoint: Any, config: EngineConfig, num_tokens: int) -> LLMEngine:
+def _reference_engine(checkpoint: Checkpoint, config: EngineConfig, num_tokens: int) -> LLMEngine:
     """An engine over `checkpoint` in float32 with a float32 KV cache of just `num_tokens`, on `config`'s device."""
     model = ModelConfig.from_hf_config(checkpoint.hf_config)
     num_blocks = -(-num_tokens // config.block_size) + 1

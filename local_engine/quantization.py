@@ -27,6 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from local_engine.errors import ModelLoadError
+
 __all__ = [
     "HEAD_METHOD",
     "QUANTIZED_SUFFIXES",
@@ -235,7 +237,7 @@ def split_quantized(
     for module, parts in modules.items():
         qweight, scales, mins = parts.get(".qweight"), parts.get(".scales"), parts.get(".mins")
         if qweight is None or scales is None:
-            raise ValueError(f"{module}: a quantized weight needs qweight and scales")
+            raise ModelLoadError(f"{module}: a quantized weight needs qweight and scales")
         num_out = qweight.shape[0]
         if qweight.dtype == torch.int8:
             weight = QuantizedWeight("int8", qweight, scales, None, int(qweight.shape[1]))
@@ -247,7 +249,7 @@ def split_quantized(
         if tuple(scales.shape) != expected or (
             weight.method == "int4" and (mins is None or mins.shape != scales.shape)
         ):
-            raise ValueError(
+            raise ModelLoadError(
                 f"{module}: quantized scales {tuple(scales.shape)} do not fit {weight.method} with group size "
                 f"{group_size} (expected {expected})"
             )

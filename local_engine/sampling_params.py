@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard, overload
 
 from local_engine.errors import InvalidParamError
 
@@ -136,7 +136,7 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -174,7 +174,8 @@ def sampling_defaults(values: Mapping[str, Any]) -> dict[str, float]:
     checked: dict[str, float] = {}
     for name, value in values.items():
         if value is not None:
-            checked[name] = _int_field(values, name) if name == "top_k" else _float_field(values, name, 0.0)
+            checked[name] = _int_field(values, name, 0) if name == "top_k" else _float_field(values, name, 0.0)
+    # (`checked` holds top_k's int among the floats: mypy reads every value as a float for every field)
     SamplingParams(**checked).validate()  # type: ignore[arg-type]
     return checked
 
@@ -233,7 +234,15 @@ def from_openai(
         raise InvalidParamError(message, param=field) from None
 
 
-def _int_field(body: Mapping[str, Any], name: str, default: int | None = None) -> Any:
+@overload
+def _int_field(body: Mapping[str, Any], name: str) -> int | None: ...
+
+
+@overload
+def _int_field(body: Mapping[str, Any], name: str, default: int) -> int: ...
+
+
+def _int_field(body: Mapping[str, Any], name: str, default: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return default

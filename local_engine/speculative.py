@@ -165,6 +165,12 @@ class Speculator:
     def reset(self) -> None:
         self.proposer.reset()
 
+    def record_step(self, seqs: list[Sequence], num_proposed: list[int], accepted_token_ids: list[list[int]]) -> None:
+        """`record` every sequence of a verified step that proposed tokens (after `Scheduler.postprocess`)."""
+        for seq, proposed, accepted in zip(seqs, num_proposed, accepted_token_ids, strict=True):
+            if proposed:
+                self.record(seq, proposed, len(accepted))
+
     def record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         """Count one verification of `seq`, adapt its next proposal length, and let the proposer drop what it
         computed for the rejected tokens."""

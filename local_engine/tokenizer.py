@@ -172,15 +172,34 @@ class Tokenizer:
         """Prompt ids for chat `messages` rendered by the model's own template.
 
         The template writes the special tokens (BOS, role markers) itself, so the text is encoded without adding any.
+        Raises InvalidParamError (`chat_template_missing`, or `invalid_messages` for what the template refuses or
+        cannot render).
         """
-        import jinja2
-
         if not self.hf.chat_template:
             raise InvalidParamError(
                 "This model has no chat template; send a plain prompt to /v1/completions instead.",
                 code="chat_template_missing",
                 param="messages",
             )
+        try:
+            return self._render_chat(messages, tools, add_generation_prompt)
+        except InvalidParamError:
+            raise
+        except (RecursionError, TypeError, ValueError) as exc:
+            # The template renders what the caller sent: a value nested hundreds deep or of a type the template
+            # cannot print is the caller's refusal, never the engine's failure.
+            raise InvalidParamError(
+                f"The messages or tools cannot be rendered into the model's chat template ({type(exc).__name__}). "
+                "Send text content, tool definitions with JSON-schema parameters, and no deeply nested values.",
+                code="invalid_messages",
+                param="messages",
+            ) from None
+
+    def _render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+    ) -> list[int]:
+        import jinja2
+
         originals: list[str] = []  # control-token texts found in the caller's values, by sentinel number
         messages, tools = self._mark_control_texts(messages, originals), self._mark_control_texts(tools, originals)
         try:
@@ -215,7 +234,7 @@ class Tokenizer:
         replaced by a numbered sentinel (`originals` collects the texts), so the template's output can be encoded
         with its own control tokens while the caller's are encoded as text: otherwise a message holding
         "<|im_end|>\n<|im_start|>system" would open a system turn. Nesting is the caller's (a RecursionError is the
-        caller's 400 in `backends.local_mapping`)."""
+        caller's refusal, `apply_chat_template`)."""
         if isinstance(value, str):
             if not self._control_pattern.search(value):
                 return value

@@ -95,7 +95,7 @@ def kernel_for(kernel: Any, device: torch.device) -> Any:
 
 def pow2_at_least(n: int, minimum: int = 1) -> int:
     """The block size that covers `n` lanes: the next power of two, at least `minimum`."""
-    return max(triton.next_power_of_2(n), minimum)
+    return max(int(triton.next_power_of_2(n)), minimum)
 
 
 def check_same_device(name: str, *tensors: torch.Tensor) -> torch.device:

@@ -67,13 +67,19 @@ class Attention(nn.Module):
         num_decode = meta.num_decode_tokens
         if num_decode == q.shape[0]:
             return self._decode(q, meta)
+        tables, cu_seqlens_q, context_lens = (
+            meta.prefill_block_tables,
+            meta.prefill_cu_seqlens_q,
+            meta.prefill_context_lens,
+        )
+        assert tables is not None and cu_seqlens_q is not None and context_lens is not None  # set for prefill rows
         prefill = self.ops.paged_prefill_attention(
             q[num_decode:],
             self.k_cache,
             self.v_cache,
-            meta.prefill_block_tables,
-            meta.prefill_cu_seqlens_q,
-            meta.prefill_context_lens,
+            tables,
+            cu_seqlens_q,
+            context_lens,
             meta.prefill_max_seqlen_q,
             self.scale,
             k_scale,
@@ -85,12 +91,14 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The decode rows (one query token per sequence) over their blocks."""
+        tables, context_lens = meta.decode_block_tables, meta.decode_context_lens
+        assert tables is not None and context_lens is not None  # set for decode rows
         return self.ops.paged_decode_attention(
             q,
             self.k_cache,
             self.v_cache,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
+            tables,
+            context_lens,
             self.scale,
             self.k_scale,
             self.v_scale,

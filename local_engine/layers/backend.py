@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from local_engine.errors import ModelLoadError
+
 __all__ = ["Ops", "select_ops"]
 
 
@@ -110,6 +112,6 @@ def select_ops(attention_backend: str, *, native_cpu: bool = False) -> Ops:
         import local_engine.kernels as kernels
 
         if not kernels.is_triton_available():
-            raise RuntimeError("attention_backend 'triton' needs triton and a CUDA device; use 'torch' instead")
+            raise ModelLoadError("attention_backend 'triton' needs triton and a CUDA device; use 'torch' instead")
         return kernels
-    raise ValueError(f"unknown attention_backend {attention_backend!r} (use 'torch' or 'triton')")
+    raise ModelLoadError(f"unknown attention_backend {attention_backend!r} (use 'torch' or 'triton')")

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from local_engine import quantization
+from local_engine.errors import ModelLoadError
 from local_engine.kernels import cpu as cpu_kernels
 from local_engine.quantization import QuantizedWeight
 
@@ -73,7 +74,7 @@ GEMM_MIN_ROWS = 1024
 def is_packing_available() -> bool:
     mkldnn = torch.ops.mkldnn
     return bool(
-        torch.backends.mkldnn.is_available()
+        torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         and hasattr(mkldnn, "_reorder_linear_weight")
         and hasattr(mkldnn, "_linear_pointwise")
     )
@@ -104,7 +105,8 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         self.num_bytes = weight.numel() * weight.element_size()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        # (`nn.Linear.bias` is typed as always present; it is None for a projection without one)
+        self.bias: torch.Tensor | None = None if linear.bias is None else linear.bias.detach()
         self.native_max_rows = native_max_rows if weight.dtype == torch.float32 else 0
         self.panels = cpu_kernels.pack_linear_weight(weight) if self.native_max_rows else None
         self.weight_format = cpu_kernels.WEIGHTS_F32  # of `panels`; a GGUF's blocks after `attach_block_panels`
@@ -115,10 +117,11 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None and x.dim() == 2 and x.shape[0] <= self.native_max_rows:
-            out = cpu_kernels.linear(x, self.panels, self.out_features, self.bias, self.weight_format)
-            if out is not None:
-                return out
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            native = cpu_kernels.linear(x, self.panels, self.out_features, self.bias, self.weight_format)
+            if native is not None:
+                return native
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -249,7 +252,8 @@ class QuantizedLinear(PackedLinear):
         weight = cpu_kernels.unpack_block_weight(self.panels, self.weight_format, self.out_features, self.in_features)
         if weight is None:
             return None
-        return torch.ops.mkldnn._linear_pointwise(rows, weight, self.bias, "none", [], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(rows, weight, self.bias, "none", [], "")
+        return out
 
     def extra_repr(self) -> str:
         where = "cpu panels" if self.quantized is None else str(self.quantized.qweight.device)
@@ -282,10 +286,10 @@ def attach_quantized_linears(
     for name, shards in fused.items():
         linear = modules.get(name)
         if not isinstance(linear, nn.Linear):
-            raise ValueError(f"quantized checkpoint tensors for {name!r}, which is not a projection of this model")
+            raise ModelLoadError(f"quantized checkpoint tensors for {name!r}, which is not a projection of this model")
         weight = QuantizedWeight.cat([w for _, w in sorted(shards, key=lambda item: item[0])])
         if (weight.num_out, weight.num_in) != (linear.out_features, linear.in_features):
-            raise ValueError(
+            raise ModelLoadError(
                 f"{name}: quantized checkpoint shape {(weight.num_out, weight.num_in)} != model "
                 f"{(linear.out_features, linear.in_features)}"
             )

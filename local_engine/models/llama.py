@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from local_engine.config import ModelConfig
+from local_engine.errors import ModelLoadError
 from local_engine.layers.attention import Attention, AttentionMetadata
 from local_engine.layers.backend import Ops
 from local_engine.layers.norm import RMSNorm
@@ -75,7 +76,8 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(num_tokens, self.num_kv_heads, self.head_dim)
         self.ops.apply_rotary(q, k, positions, cos_sin)
         out = self.attn(q, k, v, meta).reshape(num_tokens, self.q_size)  # [T, H * D]
-        return self.o_proj(out if output_rows is None else out[output_rows])
+        projected: torch.Tensor = self.o_proj(out if output_rows is None else out[output_rows])
+        return projected
 
 
 class LlamaMLP(nn.Module):
@@ -86,7 +88,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
+        out: torch.Tensor = self.down_proj(
+            self.ops.silu_and_mul(self.gate_up_proj(x))
+        )  # [T, 2I] -> [T, I] -> [T, hidden]
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -126,6 +131,15 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, ops) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
+    @property
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """`layers` with their class (an `nn.ModuleList` holds plain `nn.Module`s to a type checker)."""
+        layers = []
+        for layer in self.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            layers.append(layer)
+        return layers
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -144,10 +158,13 @@ class LlamaModel(nn.Module):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, cos_sin, meta, output_rows if i == last else None)
-        return self.norm(hidden, residual)[0]
+        normed: torch.Tensor = self.norm(hidden, residual)[0]
+        return normed
 
 
 class LlamaForCausalLM(nn.Module):
+    cos_sin_cache: torch.Tensor  # a buffer (`register_buffer` below), which mypy cannot see as an attribute
+
     def __init__(self, config: ModelConfig, ops: Ops, max_position: int) -> None:
         super().__init__()
         self.config = config
@@ -167,14 +184,16 @@ class LlamaForCausalLM(nn.Module):
         output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Packed tokens [T] -> final hidden states [T, hidden] (or of `output_rows` only: see `LlamaModel`)."""
-        return self.model(input_ids, positions, self.cos_sin_cache, meta, output_rows)
+        hidden: torch.Tensor = self.model(input_ids, positions, self.cos_sin_cache, meta, output_rows)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab]. With a plain `nn.Linear` on CPU and several rows the vocabulary is computed
         in slices: one MKL GEMM over the whole (cache-busting) embedding matrix runs at a fraction of the speed of
         cache-sized ones. (A packed lm_head — `layers/linear.py` — is faster still, in one call.)"""
         if not isinstance(self.lm_head, nn.Linear) or hidden.device.type != "cpu" or hidden.shape[0] == 1:
-            return self.lm_head(hidden)
+            logits: torch.Tensor = self.lm_head(hidden)
+            return logits
         weight = self.lm_head.weight
         logits_t = torch.empty(weight.shape[0], hidden.shape[0], dtype=hidden.dtype)  # [vocab, N]
         hidden_t = hidden.t().contiguous()  # [hidden, N]
@@ -195,11 +214,11 @@ class LlamaForCausalLM(nn.Module):
                 continue
             target, offset, size = self._locate(name, tensor)
             if target not in params:
-                raise ValueError(f"unexpected checkpoint tensor {name!r}")
+                raise ModelLoadError(f"unexpected checkpoint tensor {name!r}")
             param = params[target]
             dest = param.data.narrow(0, offset, size) if target != name else param.data
             if dest.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
+                raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
             dest.copy_(tensor)
             loaded.add(f"{target}@{offset}")
         expected = {f"{n}@{off}" for n in params for off in self._shard_offsets(n)}
@@ -207,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
             expected.discard("lm_head.weight@0")
         missing = expected - loaded
         if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
     def _locate(self, name: str, tensor: torch.Tensor) -> tuple[str, int, int]:
         """(model parameter name, row offset, rows) for a checkpoint tensor."""

@@ -21,7 +21,13 @@ from backends.local_mapping import (
     prompt_texts,
 )
 from gateway.errors import EngineError, InvalidRequestError, NotFoundError
-from local_engine.errors import EngineDeadError, InvalidParamError, PromptTooLongError, RequestFailedError
+from local_engine.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    InvalidParamError,
+    PromptTooLongError,
+    RequestFailedError,
+)
 from local_engine.output_processor import CompletionOutput, RequestOutput, TokenLogprob
 from local_engine.sampling_params import SamplingParams
 
@@ -43,8 +49,8 @@ class FakeTokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: Any = None) -> list[int]:
         if messages[0]["role"] == "assistant":
             raise InvalidParamError("roles must start with user", code="invalid_messages", param="messages")
-        if any(not isinstance(m.get("content"), str | None) for m in messages):
-            raise TypeError("cannot render")
+        if any(not isinstance(m.get("content"), str | None) for m in messages):  # as `Tokenizer` refuses a TypeError
+            raise InvalidParamError("cannot render", code="invalid_messages", param="messages")
         return self.encode("".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages))
 
 
@@ -119,7 +125,7 @@ def test_prompt_ids_for_chat_and_each_form_of_prompt() -> None:
     ],
 )
 def test_prompt_ids_refuses_what_cannot_be_a_prompt(is_chat: bool, body: dict[str, Any], param: str) -> None:
-    with pytest.raises(InvalidRequestError) as info:
+    with pytest.raises(InvalidRequestError) as info, engine_errors("chat/completions" if is_chat else "completions"):
         prompt_ids(FakeTokenizer(), is_chat, body)
     assert info.value.param == param
 
@@ -274,11 +280,11 @@ def test_prompt_texts_for_echo() -> None:
             "chat_template_missing",
             "messages",
         ),
-        (ValueError("odd"), "completions", InvalidRequestError, "invalid_request", None),
+        (DuplicateRequestError("odd"), "completions", InvalidRequestError, "invalid_request", None),
         (RequestFailedError("stop string failed"), "completions", EngineError, "engine_error", None),
         (EngineDeadError("stopped"), "completions", EngineError, "engine_error", None),
     ],
-    ids=["too-long-text", "too-long-chat", "param", "coded", "value", "request-failed", "dead"],
+    ids=["too-long-text", "too-long-chat", "param", "coded", "duplicate", "request-failed", "dead"],
 )
 def test_engine_errors_become_the_gateways(
     error: Exception, endpoint: Any, expected: type[Exception], code: str, param: str | None
@@ -289,9 +295,10 @@ def test_engine_errors_become_the_gateways(
     assert getattr(info.value, "param", None) == param
 
 
-def test_gateway_errors_pass_through_engine_errors() -> None:
-    error = NotFoundError("gone")
-    with pytest.raises(NotFoundError) as info, engine_errors("completions"):
+@pytest.mark.parametrize("error", [NotFoundError("gone"), ValueError("a bug"), RuntimeError("a bug")])
+def test_only_the_engines_own_errors_are_translated(error: Exception) -> None:
+    """Gateway errors pass through as they are; a builtin error is a bug, never read as the engine's answer."""
+    with pytest.raises(type(error)) as info, engine_errors("completions"):
         raise error
     assert info.value is error
 

@@ -141,7 +141,8 @@ async def test_a_request_that_fails_while_being_added_fails_alone(
         return build_request(request_id, *args)
 
     monkeypatch.setattr(llm, "_build_request", faulty)
-    with pytest.raises(TypeError, match="injected intake fault"):
+    with pytest.raises(RequestFailedError, match="injected intake fault") as info:  # the engine's own error...
         await collect(engine, PROMPT, GREEDY, "poison")
+    assert isinstance(info.value.__cause__, TypeError)  # ...with the fault as its cause
     assert token_ids(await collect(engine, PROMPT, GREEDY)) == llama.engine().generate([PROMPT], GREEDY)[0][0].token_ids
     assert engine.is_healthy and engine.num_restarts == 0
