@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from auth import scripts
-from auth.base import KEY_PREFIX, Admission, Principal, SettleUsage, wrong_prefix_error
+from auth.base import KEY_PREFIX, NO_COST, Admission, BudgetCost, Principal, SettleUsage, wrong_prefix_error
 from auth.cluster_pipe import make_pipe
 from auth.failure_policy import FailurePolicy
 from auth.key_cache import KeyCache
@@ -153,7 +153,9 @@ class RedisAccess:
         cached.check()
         return cached.principal
 
-    async def admit(self, credential: str, *, model: str, estimated_tokens: int, request_id: str = "") -> Admission:
+    async def admit(
+        self, credential: str, *, model: str, estimated_tokens: int, request_id: str = "", budget: BudgetCost = NO_COST
+    ) -> Admission:
         if self._is_master(credential):
             return Admission(principal=self._master, model=model, settles_late=True, request_id=request_id)
         if not credential.startswith(KEY_PREFIX):
@@ -176,6 +178,8 @@ class RedisAccess:
                 lease_ttl_ms=self._lease_ttl_ms,
                 window_ms=self._window_ms,
                 cached_version=cached.version if cached is not None else None,
+                budget_tokens=budget.tokens,
+                costs=budget.costs,
                 scripts=self._scripts,
             )
         except ScriptError as error:
@@ -198,6 +202,8 @@ class RedisAccess:
             principal=cached.principal,
             model=model,
             reserved_tokens=scripts.clamp_tokens(estimated_tokens),
+            budget_tokens=scripts.clamp_tokens(budget.tokens),
+            reserved_micros=reply.reserved_micros,
             lease_id=lease_id,
             headers=rate_limit_headers(reply),
             # See Admission.settles_late: a budget or TPM check reads the charge, the last free slot its lease.

@@ -24,9 +24,11 @@ from gateway.errors import AuthError
 
 __all__ = [
     "KEY_PREFIX",
+    "NO_COST",
     "AccessControl",
     "AccessStats",
     "Admission",
+    "BudgetCost",
     "MasterKeyAccess",
     "NoUpstreamLimit",
     "Principal",
@@ -65,6 +67,8 @@ class Admission:
     principal: Principal
     model: str
     reserved_tokens: int = 0
+    budget_tokens: int = 0  # the budget hold: worst-case tokens and cost (micros) reserved until the settle
+    reserved_micros: int = 0
     lease_id: str | None = None
     headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* headers for the response
     is_settled: bool = False
@@ -85,6 +89,19 @@ class SettleUsage:
     completion_tokens: int
     cost_micros: int = 0  # integer micro-units of the price currency
     is_priced: bool = False  # False: the model has no price configured, so it cost 0
+    is_estimated: bool = False  # the upstream reported no counts: these are the gateway's conservative estimate
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetCost:
+    """What a request reserves against a key's budgets: worst-case tokens (a prompt bound that never undercounts
+    plus every output) and its worst-case cost (micros) for the requested model, then for each fallback."""
+
+    tokens: int = 0
+    costs: tuple[tuple[str, int], ...] = ()
+
+
+NO_COST = BudgetCost()
 
 
 @dataclass(slots=True)
@@ -98,9 +115,12 @@ class AccessControl(Protocol):
         """Verify a key (401 `invalid_api_key` / `key_revoked` / `key_expired`)."""
         ...
 
-    async def admit(self, credential: str, *, model: str, estimated_tokens: int, request_id: str = "") -> Admission:
+    async def admit(
+        self, credential: str, *, model: str, estimated_tokens: int, request_id: str = "", budget: BudgetCost = NO_COST
+    ) -> Admission:
         """Verify the key, its model allowlist (403 `model_not_allowed`) and its limits (429 / 503), reserving
-        `estimated_tokens` and a concurrency slot. `request_id` only labels logs."""
+        `estimated_tokens` and a concurrency slot, and holding `budget` against a budgeted key's budgets (429
+        `budget_exceeded` when it does not fit). `request_id` only labels logs."""
         ...
 
     def begin_settle(self, admission: Admission, usage: SettleUsage) -> Awaitable[None]:
@@ -209,7 +229,9 @@ class MasterKeyAccess:
             raise wrong_prefix_error()
         raise AuthError("Invalid API key: no such key. Check for typos or create one with `unigate keys create`.")
 
-    async def admit(self, credential: str, *, model: str, estimated_tokens: int, request_id: str = "") -> Admission:
+    async def admit(
+        self, credential: str, *, model: str, estimated_tokens: int, request_id: str = "", budget: BudgetCost = NO_COST
+    ) -> Admission:
         principal = await self.authenticate(credential)
         return Admission(principal=principal, model=model, settles_late=True, request_id=request_id)
 

@@ -44,6 +44,7 @@ __all__ = [
     "auth_attempts_via_peer",
     "health_probe",
     "key_hash_name",
+    "key_holds",
     "key_leases",
     "key_prefix",
     "key_record",
@@ -99,6 +100,11 @@ def key_tpm_sum(key_id: str) -> str:
 
 def key_leases(key_id: str) -> str:
     return key_prefix(key_id) + "leases"
+
+
+def key_holds(key_id: str) -> str:
+    """Budget reservations of the key's requests in flight (a team can hold the same zset under its own tag)."""
+    return key_prefix(key_id) + "holds"
 
 
 def key_settled(key_id: str, request_id: str) -> str:

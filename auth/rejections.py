@@ -106,18 +106,26 @@ def rejection(reply: AdmitReply, principal: Principal | None, model: str, estima
     return unknown_key_error()
 
 
+def _usd(micros: int) -> str:
+    return f"${micros / 1e6:,.6f}".rstrip("0").rstrip(".")
+
+
 def _budget_error(reply: AdmitReply) -> BudgetExceededError:
     retry_ms = reply.retry_after_ms
+    left = max(reply.budget_limit - reply.budget_spent - reply.budget_held, 0)
     if reply.budget_unit == "micros":
-        spent = f"${reply.budget_spent / 1e6:,.6f}".rstrip("0").rstrip(".")
-        limit = f"${reply.budget_limit / 1e6:,.6f}".rstrip("0").rstrip(".")
-        what, field_name = f"spend budget is used up: {spent} spent of {limit}", "budget_usd"
+        figures = (_usd(left), _usd(reply.budget_spent), _usd(reply.budget_limit), _usd(reply.budget_held))
+        need, field_name = _usd(reply.budget_needed), "budget_usd"
     else:
-        what = f"token budget is used up: {reply.budget_spent} tokens spent of {reply.budget_limit}"
-        field_name = "token_budget"
+        figures = (f"{left} tokens", str(reply.budget_spent), str(reply.budget_limit), str(reply.budget_held))
+        need, field_name = f"{reply.budget_needed} tokens", "token_budget"
+    what = (
+        f"budget has {figures[0]} left ({figures[1]} spent of {figures[2]}, {figures[3]} reserved by requests in "
+        f"flight) and this request may cost up to {need}"
+    )
     period = " in this budget period" if retry_ms else ""
     return BudgetExceededError(
-        f"This API key's {what}{period}. Ask the gateway admin to raise `{field_name}`"
-        + (" or wait for the budget period to reset." if retry_ms else "."),
+        f"This API key's {what}{period}. Lower max_tokens or n, wait for requests in flight, or ask the gateway "
+        f"admin to raise `{field_name}`" + (" or wait for the budget period to reset." if retry_ms else "."),
         headers=_retry_after(retry_ms) if retry_ms else {},
     )

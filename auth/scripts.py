@@ -273,6 +273,9 @@ class AdmitReply:
     budget_spent: int = 0  # on budget_exceeded: spent in the budget's period, in budget_unit
     budget_limit: int = 0
     budget_unit: str = ""  # "tokens" | "micros" (integer micro-units of the price currency) | ""
+    budget_held: int = 0  # on budget_exceeded: what requests in flight hold of the budget, in budget_unit
+    budget_needed: int = 0  # on budget_exceeded: this request's reservation, in budget_unit
+    reserved_micros: int = 0  # on "ok": the worst-case cost this request holds against `budget_usd` (0: none)
 
 
 MAX_TOKENS = 2**40  # any token count sent to a script is clamped to [0, MAX_TOKENS] (a Lua double holds it exactly)
@@ -280,6 +283,10 @@ MAX_TOKENS = 2**40  # any token count sent to a script is clamped to [0, MAX_TOK
 
 def clamp_tokens(value: int) -> int:
     return min(max(int(value), 0), MAX_TOKENS)
+
+
+def clamp_micros(value: int) -> int:
+    return min(max(int(value), 0), 2**50)
 
 
 async def admit_request(
@@ -293,17 +300,25 @@ async def admit_request(
     lease_ttl_ms: int,
     window_ms: int,
     cached_version: int | None,
+    budget_tokens: int = 0,
+    costs: Sequence[tuple[str, int]] = (),
     scripts: ScriptSet = DEFAULT_SCRIPTS,
 ) -> AdmitReply:
+    """`budget_tokens` and `costs` ((model, worst-case micros) of the requested model, then its fallbacks) are
+    what a budgeted key reserves; the script holds the highest cost among the models the key may use."""
     keys = (
         redis_names.key_record(key_id),
         redis_names.key_rpm_log(key_id),
         redis_names.key_tpm_log(key_id),
         redis_names.key_tpm_sum(key_id),
         redis_names.key_leases(key_id),
+        redis_names.key_holds(key_id),
     )
     version = "" if cached_version is None else str(cached_version)
-    args = (key_hash, model, clamp_tokens(estimated_tokens), request_id, lease_ttl_ms, window_ms, version)
+    args: list[EncodableT] = [key_hash, model, clamp_tokens(estimated_tokens), request_id, lease_ttl_ms, window_ms]
+    args += (version, clamp_tokens(budget_tokens))
+    for cost_model, micros in costs or ((model, 0),):
+        args += (cost_model, clamp_micros(micros))
     reply = await scripts.admit(redis, keys, args)
     try:
         return _admit_reply(reply)
@@ -328,6 +343,9 @@ def _admit_reply(reply: Any) -> AdmitReply:
         budget_spent=int(reply[11]),
         budget_limit=int(reply[12]),
         budget_unit=as_text(reply[13]),
+        budget_held=int(reply[14]),
+        budget_needed=int(reply[15]),
+        reserved_micros=int(reply[16]),
     )
 
 
@@ -342,6 +360,9 @@ class SettleItem:
     model: str
     cost_micros: int = 0  # integer micro-units of the price currency
     is_priced: bool = False  # False: the model has no price configured, so it cost 0
+    budget_tokens: int = 0  # the budget hold taken at admission (tokens, micros): removed by the settle
+    reserved_micros: int = 0
+    is_estimated: bool = False  # the upstream reported no counts (e.g. a stream cut before its usage chunk)
 
 
 def _settle_keys_and_args(
@@ -354,6 +375,7 @@ def _settle_keys_and_args(
         redis_names.key_leases(key_id),
         redis_names.key_usage_total(key_id),
         redis_names.key_usage_days(key_id),
+        redis_names.key_holds(key_id),
     ]
     args: list[EncodableT] = [redis_names.key_prefix(key_id), window_ms, marker_ttl_ms, usage_retention_s]
     for item in items:
@@ -364,8 +386,10 @@ def _settle_keys_and_args(
             clamp_tokens(item.prompt_tokens),
             clamp_tokens(item.completion_tokens),
             item.model,
-            min(max(int(item.cost_micros), 0), 2**50),
+            clamp_micros(item.cost_micros),
             1 if item.is_priced else 0,
+            f"{item.request_id}|{clamp_tokens(item.budget_tokens)}|{clamp_micros(item.reserved_micros)}",
+            1 if item.is_estimated else 0,
         )
     return keys, args
 

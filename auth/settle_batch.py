@@ -78,6 +78,9 @@ class SettleBatcher:
             model=admission.model,
             cost_micros=usage.cost_micros,
             is_priced=usage.is_priced,
+            budget_tokens=admission.budget_tokens,
+            reserved_micros=admission.reserved_micros,
+            is_estimated=usage.is_estimated,
         )
         if self._failures.is_down():  # known down: keep it for when Redis answers again
             self._retries.keep(key_id, [item])

@@ -6,9 +6,11 @@
     await ledger.settle(usage, pricing)       # queued if it was not yet, then waited for
 
 Admission reserves the estimated prompt plus every choice's output limit (gateway/output_limits.py) and takes the
-key's concurrency lease; the settle replaces the reservation with the charge (`Settlement`) and releases that lease,
-in every outcome. The charge is the usage the upstream reported (`Usage`), else an estimate: the admission's prompt
-estimate and the generated text at `CHARS_PER_TOKEN`. Upstream `max_in_flight` slots are the attempt's
+key's concurrency lease; a budgeted key also holds the request's worst case against its budgets (`budget_cost`: a
+prompt bound that never undercounts plus every output, priced at the dearest model that may serve it). The settle
+replaces the reservation and the hold with the charge (`Settlement`) and releases that lease, in every outcome. The
+charge is the usage the upstream reported (`Usage`), else an estimate marked as one: the prompt bound and the
+generated text at `CHARS_PER_TOKEN`. Upstream `max_in_flight` slots are the attempt's
 (gateway/attempt.py).
 """
 
@@ -18,18 +20,18 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from auth.base import AccessControl, Admission, SettleUsage
+from auth.base import AccessControl, Admission, BudgetCost, SettleUsage
 from backends.base import Endpoint, Json
 from backends.wire import usage_count
 from gateway.call_context import CallContext
-from gateway.estimates import CHARS_PER_TOKEN, answer_chars, estimate_prompt_tokens, has_counts
+from gateway.estimates import CHARS_PER_TOKEN, answer_chars, estimate_prompt_tokens, has_counts, prompt_token_bound
 from gateway.metrics import GatewayMetrics
 from gateway.output_limits import reserved_output_tokens
-from gateway.router import Target
+from gateway.router import Router, Target
 from gateway.routing_config import PricingConfig
 from gateway.validate import count_prompts
 
-__all__ = ["Ledger", "Settlement", "Usage"]
+__all__ = ["Ledger", "Settlement", "Usage", "budget_cost"]
 
 logger = logging.getLogger("unigate.pipeline")
 
@@ -41,6 +43,7 @@ class Usage:
     reported: Json | None = None  # the upstream's usage object (a stream's, merged over its chunks), any family's names
     num_completion_chars: int = 0  # generated text seen: the estimate when `reported` has no counts
     has_run: bool = False  # an answer came back or a stream started: without counts it is charged an estimate
+    is_cut: bool = False  # a stream that ended before its end: without counts its prompt is charged the bound
 
     @classmethod
     def of_answer(cls, data: Json) -> Usage:
@@ -57,7 +60,11 @@ class Settlement:
     is_estimated: bool = False  # the upstream reported no counts: charged the estimate
 
     @classmethod
-    def of(cls, usage: Usage, *, num_prompt_estimate: int, pricing: PricingConfig | None) -> Settlement:
+    def of(
+        cls, usage: Usage, *, num_prompt_estimate: int, pricing: PricingConfig | None, num_prompt_bound: int = 0
+    ) -> Settlement:
+        """`num_prompt_bound` (never below the real count) is a cut stream's prompt charge; an answer that ended
+        without counts is charged `num_prompt_estimate`."""
         reported = usage.reported or {}
         # OpenAI names, else Anthropic / Responses names (Anthropic counts cached input tokens apart).
         num_prompt = usage_count(reported.get("prompt_tokens", reported.get("input_tokens")))
@@ -70,7 +77,7 @@ class Settlement:
         if is_estimated:
             # An answer (or a stream, perhaps cut short) without prompt/completion counts: charge what we can
             # estimate — its total when it gave one, split prompt-first.
-            num_prompt = num_prompt_estimate
+            num_prompt = max(num_prompt_bound, num_prompt_estimate) if usage.is_cut else num_prompt_estimate
             num_completion = -(-usage.num_completion_chars // CHARS_PER_TOKEN)
             if "total_tokens" in reported:
                 num_total = usage_count(reported["total_tokens"])
@@ -81,6 +88,7 @@ class Settlement:
             completion_tokens=num_completion,
             cost_micros=pricing.cost_micros(num_prompt, num_completion) if pricing is not None else 0,
             is_priced=pricing is not None,
+            is_estimated=is_estimated,
         )
         return cls(settled, is_estimated)
 
@@ -97,10 +105,13 @@ class Ledger:
         model: str,
         num_prompt_tokens: int,
         request_id: str,
+        num_prompt_bound: int = 0,
     ) -> None:
         self.admission = admission
         self.model = model  # the requested model's public id: the token metrics' label
-        self.num_prompt_tokens = num_prompt_tokens  # the admission's estimate
+        self.num_prompt_tokens = num_prompt_tokens  # the admission's estimate (the TPM reservation's)
+        # Never below the real count (gateway/estimates.py): what a cut stream or an answer without counts is charged.
+        self.num_prompt_bound = max(num_prompt_bound, num_prompt_tokens)
         self.settlement: Settlement | None = None  # what was charged, once the settle is queued
         self._access = access
         self._metrics = metrics
@@ -123,11 +134,13 @@ class Ledger:
             )
             num_completions = _num_choices(body) * (count_prompts(body) if endpoint == "completions" else 1)
             num_max_tokens = per_choice * num_completions
+        num_prompt_bound = prompt_token_bound(endpoint, body)
         admission = await context.access.admit(
             context.credential,
             model=target.model_id,
             estimated_tokens=num_prompt_tokens + num_max_tokens,
             request_id=context.request_id,
+            budget=budget_cost(context.router, target, num_prompt_bound, num_max_tokens),
         )
         return cls(
             access=context.access,
@@ -135,6 +148,7 @@ class Ledger:
             admission=admission,
             model=target.model_id,
             num_prompt_tokens=num_prompt_tokens,
+            num_prompt_bound=num_prompt_bound,
             request_id=context.request_id,
         )
 
@@ -147,7 +161,9 @@ class Ledger:
         """Queue the settle, the first time only (later calls, with whatever usage, change nothing)."""
         if self.settlement is not None:
             return
-        settlement = self.settlement = Settlement.of(usage, num_prompt_estimate=self.num_prompt_tokens, pricing=pricing)
+        settlement = self.settlement = Settlement.of(
+            usage, num_prompt_estimate=self.num_prompt_tokens, pricing=pricing, num_prompt_bound=self.num_prompt_bound
+        )
         settled = settlement.usage
         if settled.prompt_tokens or settled.completion_tokens:
             self._metrics.count_tokens(self.model, settled.prompt_tokens, settled.completion_tokens)
@@ -167,6 +183,23 @@ class Ledger:
             await settling
         except Exception:
             logger.exception("could not settle usage for request %s", self._request_id)
+
+
+def budget_cost(router: Router, target: Target, num_prompt_tokens: int, num_output_tokens: int) -> BudgetCost:
+    """The hold of a request on a budgeted key: its worst-case tokens, and its worst-case cost on each model that
+    may serve it (the dearest of the model's deployments; the admission script picks the dearest model the key may
+    use)."""
+    costs = tuple(
+        (
+            model_id,
+            max(
+                (p.cost_micros(num_prompt_tokens, num_output_tokens) for p in pricings if p is not None),
+                default=0,
+            ),
+        )
+        for model_id, pricings in router.prices(target)
+    )
+    return BudgetCost(num_prompt_tokens + num_output_tokens, costs)
 
 
 def _num_choices(body: Json) -> int:

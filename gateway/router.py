@@ -28,7 +28,7 @@ from typing import TypeVar
 from backends.base import Backend
 from backends.retry_after import parse_retry_after, retry_after_header
 from gateway.errors import BackendError, GatewayError, NotFoundError, UnavailableError, UpstreamRateLimitedError
-from gateway.routing_config import DeploymentConfig, ModelConfig, RouterConfig, RoutingConfig
+from gateway.routing_config import DeploymentConfig, ModelConfig, PricingConfig, RouterConfig, RoutingConfig
 
 __all__ = ["Deployment", "ModelRoute", "Router", "Target"]
 
@@ -323,6 +323,14 @@ class Router:
 
     def is_cooling(self, deployment: Deployment) -> bool:
         return deployment.cooldown_until > self._clock()
+
+    def prices(self, target: Target) -> list[tuple[str, list[PricingConfig | None]]]:
+        """Per model that may serve `target` (itself, then every configured fallback: the key's allowlist picks
+        among them at admission), the pricing of each of its deployments (None: unpriced)."""
+        return [
+            (current.model_id, [d.config.pricing or current.route.config.pricing for d in current.route.deployments])
+            for current in self._chain(target, None)
+        ]
 
     def _chain(self, target: Target, may_use: Callable[[str], bool] | None) -> list[Target]:
         chain = [target]

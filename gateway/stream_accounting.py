@@ -2,9 +2,10 @@
 
 Each chunk is named with the model that served; the usage it reports is merged (OpenAI-family streams report it in a
 last chunk, Anthropic events their input tokens first); the generated text is counted, which is what the ledger
-charges (as an estimate) when the stream is cut before it reports usage. The pipeline always asks OpenAI-family
-upstreams for usage; a client that did not ask gets those usage chunks stripped. Other families pass untouched.
-"""
+charges (as an estimate) when the stream reports no usage. A stream cut before its end (no finish reason, usage chunk
+or terminal event) is `Usage.is_cut`: its prompt is charged the bound that never undercounts (gateway/estimates.py).
+The pipeline always asks OpenAI-family upstreams for usage; a client that did not ask gets those usage chunks
+stripped. Other families pass untouched."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from gateway.normalize import name_model
 __all__ = ["USAGE_ENDPOINTS", "StreamAccount"]
 
 USAGE_ENDPOINTS = ("chat/completions", "completions")  # their streams report usage only when asked to
+# The last events of Anthropic Messages and Responses streams.
+_TERMINAL_EVENTS = frozenset({"message_delta", "message_stop", "response.completed", "response.incomplete"})
 
 
 class StreamAccount:
@@ -24,6 +27,7 @@ class StreamAccount:
         self._reported: Json | None = None
         self._num_completion_chars = 0
         self._has_started = False  # the first chunk went on its way to the client
+        self._has_ended = False  # a finish reason or a terminal event came: the stream was not cut
 
     def accept(self, chunk: Json) -> Json | None:
         """The chunk to send (None: nothing to send), after taking its usage and completion size."""
@@ -33,6 +37,7 @@ class StreamAccount:
             usage = chunk["usage"]
             if isinstance(usage, dict):
                 self._reported = {**(self._reported or {}), **usage}
+                self._has_ended = True  # the usage chunk: the last an OpenAI-family stream sends
             if self._strips_usage:
                 if not chunk.get("choices"):
                     return None
@@ -42,7 +47,11 @@ class StreamAccount:
             usage = message.get("usage") if isinstance(message, dict) else None
             if isinstance(usage, dict):
                 self._reported = {**(self._reported or {}), **usage}
+        if chunk.get("type") in _TERMINAL_EVENTS:
+            self._has_ended = True
         for choice in chunk.get("choices", ()):
+            if choice.get("finish_reason") is not None:
+                self._has_ended = True
             delta = choice.get("delta") or choice
             text = delta.get("content") if isinstance(delta, dict) else None
             if text is None and isinstance(delta, dict):
@@ -53,7 +62,8 @@ class StreamAccount:
 
     def usage(self) -> Usage:
         """What the stream used so far (all of it, once it ended)."""
-        return Usage(self._reported, self._num_completion_chars, has_run=self._has_started)
+        is_cut = self._has_started and not self._has_ended
+        return Usage(self._reported, self._num_completion_chars, has_run=self._has_started, is_cut=is_cut)
 
 
 def _wants_usage(body: Json) -> bool:

@@ -108,16 +108,18 @@ async def test_token_budget_is_charged_with_the_reported_usage(
 ) -> None:
     a, b = gateways
     async with httpx.AsyncClient(timeout=30) as client:
-        key_id, user = await create_key(client, b.url, token_budget=20)
-        statuses = [await send(client, (a, b)[i % 2].url, FAMILIES[i % 3], user, stream=i == 1) for i in range(6)]
-        # 0 → 10 → 20 tokens spent: the third request finds the budget used up.
+        # Hard budgets reserve each request's worst case: 22 prompt tokens at most ("hi": 2 bytes, role "user": 4,
+        # 2 × 8 template tokens) + max_tokens 8 = 30 for chat and messages.
+        key_id, user = await create_key(client, b.url, token_budget=40)
+        statuses = [await send(client, (a, b)[i % 2].url, FAMILIES[i % 2], user, stream=i == 1) for i in range(6)]
+        # 0 → 10 → 20 tokens spent: the third request's worst case (20 + 30) no longer fits.
         assert statuses == [200, 200, 429, 429, 429, 429]
         record = await settled_record(client, a.url, key_id, 2)
-        assert (record["budget_spent"], record["num_requests"], record["budget_remaining"]) == (20, 2, 0)
+        assert (record["budget_spent"], record["num_requests"], record["budget_remaining"]) == (20, 2, 20)
         path, payload = body("chat", stream=False)
         refused = await client.post(a.url + path, json=payload, headers=user)
         assert refused.json()["error"]["code"] == "budget_exceeded"
-        assert "20 tokens spent of 20" in refused.json()["error"]["message"]
+        assert "20 tokens left (20 spent of 40" in refused.json()["error"]["message"]
         usage = (await client.get(f"{a.url}/admin/usage", headers=ADMIN)).json()
     assert (usage["requests"], usage["total_tokens"]) == (2, 20)
 
@@ -138,7 +140,9 @@ async def test_the_next_request_on_another_instance_sees_the_charge_however_slow
         slow_url = redis_url.replace(f"{host}:{port}", f"127.0.0.1:{proxy.port}")
         with gateway_instances([slow_url, redis_url], tmp_path, models) as (a, b):
             async with httpx.AsyncClient(timeout=30) as client:
-                for limits, expected in (({"token_budget": USED}, 429), ({"tpm": 2 * 9}, 429), ({}, 200)):
+                # A budget of one request's worst case (30 tokens: see the budget test) and its usage, less one.
+                budget = {"token_budget": 30 + USED - 1}
+                for limits, expected in ((budget, 429), ({"tpm": 2 * 9}, 429), ({}, 200)):
                     _, user = await create_key(client, b.url, **limits)
                     assert await send(client, a.url, "chat", user, stream=False) == 200, limits
                     assert await send(client, b.url, "chat", user, stream=False) == expected, limits
@@ -187,16 +191,19 @@ async def test_usage_is_exact_for_concurrent_clients_of_every_family(
 async def test_spend_budget_in_usd(gateways: tuple[ThreadedServer, ThreadedServer]) -> None:
     a, b = gateways
     async with httpx.AsyncClient(timeout=30) as client:
-        key_id, user = await create_key(client, a.url, budget_usd=0.00001, budget_period="day")  # 10 micro-dollars
+        key_id, user = await create_key(client, a.url, budget_usd=0.00002, budget_period="day")  # 20 micro-dollars
         statuses = [await send(client, (a, b)[i % 2].url, FAMILIES[i % 3], user, stream=i % 2 == 1) for i in range(6)]
-        assert statuses == [200, 200, 200, 200, 429, 429]  # 0 → 3 → 6 → 9 → 12 micro-dollars
+        # Each request costs 3 and holds its worst case while in flight: 8 micro-dollars for chat and messages
+        # (30 tokens: see the token budget test), 6 for responses (18): 0 → 3 → 6 → 9 → 12 → 15, then 15 + 6 > 20.
+        assert statuses == [200, 200, 200, 200, 200, 429]
         path, payload = body("chat", stream=False)
         refused = (await client.post(b.url + path, json=payload, headers=user)).json()["error"]
-        record = await settled_record(client, a.url, key_id, 4)
+        record = await settled_record(client, a.url, key_id, 5)
     assert refused["code"] == "budget_exceeded"
-    assert "$0.000012 spent of $0.00001" in refused["message"] and "budget_usd" in refused["message"]
-    assert record["budget_usd"] == pytest.approx(1e-5) and record["spend_usd"] == pytest.approx(12e-6)
-    assert record["budget_usd_spent"] == pytest.approx(12e-6) and record["budget_usd_remaining"] == 0
+    assert "$0.000005 left ($0.000015 spent of $0.00002, $0 reserved" in refused["message"]
+    assert "up to $0.000008" in refused["message"] and "budget_usd" in refused["message"]
+    assert record["budget_usd"] == pytest.approx(2e-5) and record["spend_usd"] == pytest.approx(15e-6)
+    assert record["budget_usd_spent"] == pytest.approx(15e-6) and record["budget_usd_remaining"] == pytest.approx(5e-6)
 
 
 @pytest.mark.parametrize("figure", [1e15, 10**15, -5, "12", 3.7, None])
@@ -243,11 +250,13 @@ async def test_a_fallback_is_charged_its_own_price_and_only_for_keys_allowed_to_
     ]
     with gateway_instances(redis_url, tmp_path, models, fallbacks={"cheap": ["pricey"]}) as (a, b):
         async with httpx.AsyncClient(timeout=30) as client:
-            key_id, user = await create_key(client, a.url, budget_usd=0.0015)
+            # Every request holds its worst case at the dearest model that may serve it, pricey's: 30 tokens × 100
+            # = 3,000 micro-dollars (cheap's would be 3), so a budget of 4,500 admits two and spends 2,000.
+            key_id, user = await create_key(client, a.url, budget_usd=0.0045)
             statuses = [
                 await send(client, (a, b)[i % 2].url, "chat", user, stream=i == 1, model="cheap") for i in range(3)
             ]
-            assert statuses == [200, 200, 429]  # 0 → 1,000 → 2,000 micro-dollars against a budget of 1,500
+            assert statuses == [200, 200, 429]  # 0 → 1,000 → 2,000, then 2,000 + 3,000 > 4,500
             record = await settled_record(client, a.url, key_id, 2)
             assert record["spend_usd"] == pytest.approx(2e-3)
 

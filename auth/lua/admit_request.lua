@@ -5,6 +5,8 @@
 -- KEYS[3]  ug:{id}:tpm       zset   token log: member "<request id>|<tokens>", score reservation time (ms)
 -- KEYS[4]  ug:{id}:tpm_sum   string tokens currently in KEYS[3]
 -- KEYS[5]  ug:{id}:leases    zset   concurrency leases: member request id, score expiry (ms)
+-- KEYS[6]  ug:{id}:holds     zset   budget reservations of requests in flight: member
+--                                   "<request id>|<tokens>|<micros>", score expiry (ms)
 -- ARGV[1]  hex SHA-256 of the presented secret (must equal the record's key_hash: a rotated key stops here)
 -- ARGV[2]  model id
 -- ARGV[3]  estimated tokens to reserve (prompt estimate + max_tokens)
@@ -12,9 +14,13 @@
 -- ARGV[5]  lease ttl (ms)
 -- ARGV[6]  rate window (ms; 60000 for per-minute limits)
 -- ARGV[7]  the caller's cached record version ("" when it has none)
+-- ARGV[8]  worst-case tokens for the budget reservation (a prompt bound that never undercounts + every output)
+-- ARGV[9], ARGV[10] ..  pairs: model id, worst-case cost (micros) if served by it: the requested model first,
+--          then its fallbacks. The reservation is the highest among the models the key may use.
 --
 -- Returns {status, version, record, rpm_limit, rpm_remaining, rpm_reset_ms, tpm_limit, tpm_remaining,
---          tpm_reset_ms, retry_after_ms, leases_remaining, budget_spent, budget_limit, budget_unit}
+--          tpm_reset_ms, retry_after_ms, leases_remaining, budget_spent, budget_limit, budget_unit,
+--          budget_held, budget_needed, reserved_micros}
 --   status: "ok" | "invalid_api_key" | "key_revoked" | "key_expired" | "model_not_allowed" | "budget_exceeded"
 --           | "concurrency_limit_exceeded" | "rate_limit_exceeded" | "tokens_limit_exceeded"
 --   record: the record as a flat HGETALL list when ARGV[7] differs from its version, else {} (cache refresh)
@@ -23,7 +29,13 @@
 --   script got to (a remaining count is -1 where it did not: for TPM on "rate_limit_exceeded", for both on the
 --   earlier checks), and the reset of the exceeded limit is its retry_after_ms.
 --   budget_*: on "budget_exceeded", what was spent in the budget's period and its limit, in budget_unit
---   ("tokens", or "micros": integer micro-units of the price currency); 0, 0, "" otherwise.
+--   ("tokens", or "micros": integer micro-units of the price currency); 0, 0, "" otherwise. budget_held: what
+--   requests in flight hold of it, budget_needed: this request's reservation (same unit). reserved_micros: on
+--   "ok", the cost this request holds (0 when the key has no budget; the settle removes its hold with it).
+--
+-- Budgets are hard by reservation: a request is admitted only when spent + held by requests in flight + its own
+-- worst case fits the budget. A hold expires after the lease ttl (a gateway that died never settles it), and
+-- expired holds are dropped at the next admission of a budgeted key.
 --
 -- Algorithm: sliding-window log for RPM and TPM. It is exact: no rolling window of ARGV[6] ms ever holds more
 -- than the limit, so there is no 2x burst at a fixed-window edge. GCRA would also be exact for the rate but
@@ -34,12 +46,13 @@
 local record_key, rpm_key, tpm_key, tpm_sum_key, leases_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local key_hash, model, estimate, request_id = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local lease_ttl, window, cached_version = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
+local holds_key, budget_tokens = KEYS[6], tonumber(ARGV[8]) or 0
 
 local fields = redis.call('HMGET', record_key, 'key_hash', 'revoked', 'expires_at', 'models', 'rpm', 'tpm',
   'max_concurrent', 'token_budget', 'budget_period', 'period_key', 'period_spent', 'tokens_spent', 'version',
   'budget_micros', 'period_spend_micros', 'spend_micros')
 if not fields[1] or fields[1] ~= key_hash then
-  return {'invalid_api_key', 0, {}, -1, -1, 0, -1, -1, 0, 0, -1, 0, 0, ''}
+  return {'invalid_api_key', 0, {}, -1, -1, 0, -1, -1, 0, 0, -1, 0, 0, '', 0, 0, 0}
 end
 
 local function limit_of(value)
@@ -57,9 +70,9 @@ end
 local rpm, tpm, max_concurrent = limit_of(fields[5]), limit_of(fields[6]), limit_of(fields[7])
 local budget, budget_micros = limit_of(fields[8]), limit_of(fields[14])
 
-local function reject(status, retry_after, budget_spent, budget_limit, budget_unit)
+local function reject(status, retry_after, budget_spent, budget_limit, budget_unit, held, needed)
   return {status, version, record, rpm, -1, 0, tpm, -1, 0, retry_after, -1, budget_spent or 0, budget_limit or 0,
-    budget_unit or ''}
+    budget_unit or '', held or 0, needed or 0, 0}
 end
 
 -- A token count from a log member "<request id>|<tokens>" (0 for anything unreadable, never an error).
@@ -74,17 +87,21 @@ if expires_at and expires_at <= now then return reject('key_expired', 0) end
 -- Model allowlist: exact ids or glob patterns with * and ? (the admin API refuses other glob syntax, so this
 -- matcher and Python's fnmatch agree).
 local models = cjson.decode(fields[4] or '[]')
-if #models > 0 then
-  local allowed = false
+local function may_use(id)
+  if #models == 0 then return true end
   for _, pattern in ipairs(models) do
-    if pattern == model then allowed = true break end
+    if pattern == id then return true end
     local lua_pattern = pattern:gsub('[%^%$%(%)%%%.%[%]%+%-]', '%%%0'):gsub('%*', '.*'):gsub('%?', '.')
-    if string.match(model, '^' .. lua_pattern .. '$') then allowed = true break end
+    if string.match(id, '^' .. lua_pattern .. '$') then return true end
   end
-  if not allowed then return reject('model_not_allowed', 0) end
+  return false
 end
+if not may_use(model) then return reject('model_not_allowed', 0) end
 
--- Budgets (tokens and spend share one period): refuse once spent in the current period reaches the budget.
+-- Budgets (tokens and spend share one period): refuse unless spent + held by requests in flight + this
+-- request's worst case fits. The cost is the highest among the models the key may be served by.
+local hold_member = nil
+local hold_micros = 0
 if budget >= 0 or budget_micros >= 0 then
   local period, period_left = period_of(fields[9] or 'total', now)
   local spent, spent_micros
@@ -95,12 +112,25 @@ if budget >= 0 or budget_micros >= 0 then
   else
     spent, spent_micros = 0, 0
   end
-  if budget >= 0 and spent >= budget then
-    return reject('budget_exceeded', period_left, spent, budget, 'tokens')
+  for i = 9, #ARGV - 1, 2 do
+    local micros = tonumber(ARGV[i + 1]) or 0
+    if micros > hold_micros and (i == 9 or may_use(ARGV[i])) then hold_micros = micros end
   end
-  if budget_micros >= 0 and spent_micros >= budget_micros then
-    return reject('budget_exceeded', period_left, spent_micros, budget_micros, 'micros')
+  redis.call('ZREMRANGEBYSCORE', holds_key, '-inf', now)
+  local held, held_micros = 0, 0
+  for _, member in ipairs(redis.call('ZRANGE', holds_key, 0, -1)) do
+    local tokens, micros = string.match(member, '|([^|]*)|([^|]*)$')
+    held, held_micros = held + (tonumber(tokens) or 0), held_micros + (tonumber(micros) or 0)
   end
+  -- A budget already reached refuses even a request that holds nothing (an unpriced model costs 0).
+  if budget >= 0 and (spent >= budget or spent + held + budget_tokens > budget) then
+    return reject('budget_exceeded', period_left, spent, budget, 'tokens', held, budget_tokens)
+  end
+  local over_micros = spent_micros + held_micros + hold_micros > budget_micros
+  if budget_micros >= 0 and (spent_micros >= budget_micros or over_micros) then
+    return reject('budget_exceeded', period_left, spent_micros, budget_micros, 'micros', held_micros, hold_micros)
+  end
+  hold_member = request_id .. '|' .. string.format('%d', budget_tokens) .. '|' .. string.format('%d', hold_micros)
 end
 
 -- Concurrency: expired leases belong to crashed or stuck requests. They only matter at the limit, so they are
@@ -129,7 +159,8 @@ if rpm >= 0 then
       local entry = redis.call('ZRANGE', rpm_key, num_requests - rpm, num_requests - rpm, 'WITHSCORES')
       retry_after = tonumber(entry[2]) + window - now
     end
-    return {'rate_limit_exceeded', version, record, rpm, 0, retry_after, tpm, -1, 0, retry_after, -1, 0, 0, ''}
+    return {'rate_limit_exceeded', version, record, rpm, 0, retry_after, tpm, -1, 0, retry_after, -1, 0, 0, '', 0,
+      0, 0}
   end
 end
 
@@ -169,7 +200,7 @@ if tpm >= 0 then
       if #oldest > 0 then rpm_reset_now = tonumber(oldest[2]) + window - now end
     end
     return {'tokens_limit_exceeded', version, record, rpm, rpm_remaining_now, rpm_reset_now, tpm,
-      math.max(tpm - num_tokens, 0), tpm_reset_now, retry_after, -1, 0, 0, ''}
+      math.max(tpm - num_tokens, 0), tpm_reset_now, retry_after, -1, 0, 0, '', 0, 0, 0}
   end
 end
 
@@ -196,6 +227,10 @@ if max_concurrent >= 0 then
   redis.call('ZADD', leases_key, now + lease_ttl, request_id)
   redis.call('PEXPIRE', leases_key, lease_ttl)
 end
+if hold_member then
+  redis.call('ZADD', holds_key, now + lease_ttl, hold_member)
+  redis.call('PEXPIRE', holds_key, lease_ttl)
+end
 
 local rpm_remaining, tpm_remaining = -1, -1
 if rpm >= 0 then rpm_remaining = rpm - num_requests end
@@ -203,4 +238,4 @@ if tpm >= 0 then tpm_remaining = math.max(tpm - num_tokens, 0) end
 local leases_remaining = -1
 if max_concurrent >= 0 then leases_remaining = max_concurrent - num_leases - 1 end
 return {'ok', version, record, rpm, rpm_remaining, rpm_reset, tpm, tpm_remaining, tpm_reset, 0, leases_remaining,
-  0, 0, ''}
+  0, 0, '', 0, 0, hold_micros}

@@ -10,15 +10,18 @@
 -- KEYS[4]  ug:{id}:leases              zset    concurrency leases
 -- KEYS[5]  ug:{id}:usage_total         hash    lifetime "<model>|<counter>"
 -- KEYS[6]  ug:{id}:usage_days          zset    days with usage
--- KEYS[6+i] ug:{id}:settled:<request>  string  idempotency marker of the i-th request
+-- KEYS[7]  ug:{id}:holds               zset    budget reservations of requests in flight
+-- KEYS[7+i] ug:{id}:settled:<request>  string  idempotency marker of the i-th request
 -- ARGV[1]  the key's name prefix "ug:{id}:" (the per-day usage hash "ug:{id}:usage:<YYYY-MM-DD>" is built from it,
 --          so it shares the hash tag and slot of KEYS[*])
 -- ARGV[2]  rate window (ms)
 -- ARGV[3]  marker ttl (ms)
 -- ARGV[4]  usage retention (s) for per-day hashes
--- ARGV[5 + 7(i-1) ..]  per request i: request id, tokens reserved at admission, prompt tokens used,
+-- ARGV[5 + 9(i-1) ..]  per request i: request id, tokens reserved at admission, prompt tokens used,
 --                      completion tokens used, model id, cost (integer micro-units of the price currency),
---                      1 when the model had a price (0: it cost 0 because none is configured)
+--                      1 when the model had a price (0: it cost 0 because none is configured), its budget hold's
+--                      member in KEYS[7] (removed: the charge replaces it), 1 when the counts are an estimate
+--                      (the upstream reported none; counted as "<model>|estimated_requests")
 --
 -- Returns one flag per request: 1 when this call settled it, 0 when it had already been settled.
 --
@@ -29,7 +32,7 @@
 -- below 2^50 and written as integers, so a Lua number never reaches a member as "1e+15".
 
 local record_key, tpm_key, tpm_sum_key, leases_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local total_key, days_key = KEYS[5], KEYS[6]
+local total_key, days_key, holds_key = KEYS[5], KEYS[6], KEYS[7]
 local name_prefix, window, marker_ttl, retention = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 
 local MAX_COUNT = 1125899906842624  -- 2^50: exact in a Lua double, far above any real usage
@@ -56,17 +59,19 @@ local tpm_delta, tpm_touched = 0, false
 local sum_prompt, sum_completion, sum_cost, num_settled = 0, 0, 0, 0
 local by_model, models = {}, {}
 
-for i = 1, #KEYS - 6 do
-  local base = 5 + (i - 1) * 7
+for i = 1, #KEYS - 7 do
+  local base = 5 + (i - 1) * 9
   local request_id, reserved = ARGV[base], count_of(ARGV[base + 1])
   local prompt_tokens, completion_tokens = count_of(ARGV[base + 2]), count_of(ARGV[base + 3])
   local model, cost, is_priced = ARGV[base + 4], count_of(ARGV[base + 5]), ARGV[base + 6] == '1'
-  if not redis.call('SET', KEYS[6 + i], '1', 'NX', 'PX', marker_ttl) then
+  local is_estimated = ARGV[base + 8] == '1'
+  if not redis.call('SET', KEYS[7 + i], '1', 'NX', 'PX', marker_ttl) then
     settled[i] = 0
   else
     settled[i] = 1
     local used = prompt_tokens + completion_tokens
     redis.call('ZREM', leases_key, request_id)
+    redis.call('ZREM', holds_key, ARGV[base + 7])
     local reserved_member = request_id .. '|' .. int(reserved)
     local score = redis.call('ZSCORE', tpm_key, reserved_member)
     if score and tonumber(score) > now - window then
@@ -88,13 +93,14 @@ for i = 1, #KEYS - 6 do
     sum_cost = sum_cost + cost
     local counts = by_model[model]
     if counts == nil then
-      counts = {0, 0, 0, 0, 0}
+      counts = {0, 0, 0, 0, 0, 0}
       by_model[model] = counts
       models[#models + 1] = model
     end
     counts[1], counts[2], counts[3] = counts[1] + 1, counts[2] + prompt_tokens, counts[3] + completion_tokens
     counts[4] = counts[4] + cost
     if not is_priced then counts[5] = counts[5] + 1 end
+    if is_estimated then counts[6] = counts[6] + 1 end
   end
 end
 
@@ -143,6 +149,7 @@ for _, model in ipairs(models) do
     redis.call('HINCRBY', target, model .. '|completion_tokens', int(counts[3]))
     redis.call('HINCRBY', target, model .. '|cost_micros', int(counts[4]))
     if counts[5] > 0 then redis.call('HINCRBY', target, model .. '|unpriced_requests', counts[5]) end
+    if counts[6] > 0 then redis.call('HINCRBY', target, model .. '|estimated_requests', counts[6]) end
   end
 end
 redis.call('EXPIRE', day_key, retention)

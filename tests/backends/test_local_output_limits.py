@@ -16,7 +16,7 @@ from fakes.access import RecordingAccess
 from fakes.app import AUTH, MASTER, asgi_client, make_settings
 from starlette.applications import Starlette
 
-from auth.base import Admission
+from auth.base import NO_COST, Admission, BudgetCost
 from backends.local import LocalBackend
 from gateway.app import create_app
 from gateway.deployments import build_backend
@@ -42,7 +42,9 @@ class ReservingAccess(RecordingAccess):
         super().__init__(master_key=MASTER)
         self.reserved: list[int] = []
 
-    async def admit(self, credential: str, *, model: str, estimated_tokens: int, request_id: str = "") -> Admission:
+    async def admit(
+        self, credential: str, *, model: str, estimated_tokens: int, request_id: str = "", budget: BudgetCost = NO_COST
+    ) -> Admission:
         self.reserved.append(estimated_tokens)
         return await super().admit(credential, model=model, estimated_tokens=estimated_tokens, request_id=request_id)
 

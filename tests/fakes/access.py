@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
-from auth.base import Admission, MasterKeyAccess, Principal, SettleUsage, UpstreamLease
+from auth.base import NO_COST, Admission, BudgetCost, MasterKeyAccess, Principal, SettleUsage, UpstreamLease
 from gateway.errors import AuthError, PermissionDeniedError, UnavailableError
 
 __all__ = ["RecordingAccess", "Settled"]
@@ -49,7 +49,9 @@ class RecordingAccess(MasterKeyAccess):
             return Principal(key_id=credential, name=credential, models=self.keys[credential])
         return await super().authenticate(credential)
 
-    async def admit(self, credential: str, *, model: str, estimated_tokens: int, request_id: str = "") -> Admission:
+    async def admit(
+        self, credential: str, *, model: str, estimated_tokens: int, request_id: str = "", budget: BudgetCost = NO_COST
+    ) -> Admission:
         principal = await self.authenticate(credential)
         if not principal.may_use(model):
             raise PermissionDeniedError(f"This key may not use {model!r}.", code="model_not_allowed")

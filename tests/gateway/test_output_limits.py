@@ -13,7 +13,7 @@ from fakes.access import RecordingAccess
 from fakes.app import AUTH, MASTER, asgi_client, build_app, deployment
 from fakes.upstream import FakeUpstream
 
-from auth.base import Admission
+from auth.base import NO_COST, Admission, BudgetCost
 from gateway.output_limits import CLAMP_BYTES_PER_TOKEN, CLAMP_HEADER
 from gateway.routing_config import RoutingConfigError, parse_routing
 
@@ -28,7 +28,9 @@ class ReservingAccess(RecordingAccess):
         super().__init__(master_key=MASTER)
         self.reserved: list[int] = []
 
-    async def admit(self, credential: str, *, model: str, estimated_tokens: int, request_id: str = "") -> Admission:
+    async def admit(
+        self, credential: str, *, model: str, estimated_tokens: int, request_id: str = "", budget: BudgetCost = NO_COST
+    ) -> Admission:
         self.reserved.append(estimated_tokens)
         return await super().admit(credential, model=model, estimated_tokens=estimated_tokens, request_id=request_id)
 
