@@ -190,6 +190,7 @@ def _row_json(row: UsageRow) -> dict[str, Any]:
         total_tokens=row.prompt_tokens + row.completion_tokens,
         spend_usd=usd(row.cost_micros),
         unpriced_requests=row.num_unpriced,
+        estimated_requests=row.num_estimated,
     )
     if not row.model:
         del shaped["model"]

@@ -137,6 +137,7 @@ class UsageRow:
     completion_tokens: int
     cost_micros: int = 0
     num_unpriced: int = 0  # requests that cost 0 because their model had no price
+    num_estimated: int = 0  # requests charged the gateway's estimate (no counts reported, e.g. a cut stream)
 
 
 @dataclass(slots=True)
@@ -181,18 +182,20 @@ def _rows_from_hash(date: str, raw: Mapping[str, str]) -> list[UsageRow]:
             completion_tokens=counters.get("completion_tokens", 0),
             cost_micros=counters.get("cost_micros", 0),
             num_unpriced=counters.get("unpriced_requests", 0),
+            num_estimated=counters.get("estimated_requests", 0),
         )
         for model, counters in sorted(per_model.items())
     ]
 
 
 def _add(into: dict[str, list[int]], name: str, row: UsageRow) -> None:
-    counters = into.setdefault(name, [0, 0, 0, 0, 0])
+    counters = into.setdefault(name, [0, 0, 0, 0, 0, 0])
     counters[0] += row.num_requests
     counters[1] += row.prompt_tokens
     counters[2] += row.completion_tokens
     counters[3] += row.cost_micros
     counters[4] += row.num_unpriced
+    counters[5] += row.num_estimated
 
 
 class KeyStore:
