@@ -39,7 +39,7 @@ from hypothesis.stateful import (
 
 from auth import redis_names
 from auth.access import AccessConfig, RedisAccess
-from auth.base import Admission, SettleUsage
+from auth.base import Admission, BudgetCost, SettleUsage
 from auth.redis_client import connect
 from auth.scripts import ScriptSet
 from auth.store import KeyStore, period_key
@@ -80,6 +80,9 @@ class KeyModel:
     rpm_log: list[int] = field(default_factory=list)  # admit times
     tpm_log: dict[str, tuple[int, int]] = field(default_factory=dict)  # member → (time, tokens)
     leases: dict[str, int] = field(default_factory=dict)  # lease id → expiry
+    holds: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # hold member → (expiry, tokens, micros)
+    excess: list[int] = field(default_factory=lambda: [0, 0])  # tokens, micros charged above their holds
+    is_budget_fixed: bool = True  # no budget field changed since creation: the guarantee is checked
     num_requests: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -101,14 +104,25 @@ class KeyModel:
             return self.period_spent, self.period_spend_micros
         return 0, 0
 
-    def decide(self, now: int, estimate: int) -> str:
+    @property
+    def is_budgeted(self) -> bool:
+        return self.token_budget is not None or self.budget_micros is not None
+
+    def held(self, now: int) -> tuple[int, int]:
+        live = [(tokens, micros) for expiry, tokens, micros in self.holds.values() if expiry > now]
+        return sum(t for t, _ in live), sum(m for _, m in live)
+
+    def decide(self, now: int, estimate: int, hold: tuple[int, int] = (0, 0)) -> str:
         """The admission decision, in the script's order of checks."""
         if self.is_revoked:
             return "key_revoked"
         spent, spent_micros = self.budget_spent(now)
-        if self.token_budget is not None and spent >= self.token_budget:
+        held, held_micros = self.held(now)
+        if self.token_budget is not None and (spent >= self.token_budget or spent + held + hold[0] > self.token_budget):
             return "budget_exceeded"
-        if self.budget_micros is not None and spent_micros >= self.budget_micros:
+        if self.budget_micros is not None and (
+            spent_micros >= self.budget_micros or spent_micros + held_micros + hold[1] > self.budget_micros
+        ):
             return "budget_exceeded"
         if self.max_concurrent is not None:
             if sum(1 for expiry in self.leases.values() if expiry > now) >= self.max_concurrent:
@@ -134,7 +148,9 @@ class KeyModel:
             self.period_spend_micros = sum(row[3] for row in rows)
         self.budget_period = budget_period
 
-    def admit(self, now: int, lease_id: str, estimate: int) -> None:
+    def admit(self, now: int, lease_id: str, estimate: int, hold: tuple[int, int] = (0, 0)) -> None:
+        if self.is_budgeted:
+            self.holds[f"{lease_id}|{hold[0]}|{hold[1]}"] = (now + LEASE_TTL_MS, *hold)
         if self.rpm is not None:
             self.rpm_log.append(now)
         if self.tpm is not None and estimate > 0:
@@ -145,6 +161,12 @@ class KeyModel:
     def settle(self, now: int, lease_id: str, reserved: int, prompt: int, completion: int, model: str) -> None:
         used = prompt + completion
         self.leases.pop(lease_id, None)
+        for member in [m for m in self.holds if m.startswith(f"{lease_id}|")]:
+            _, hold_tokens, hold_micros = self.holds.pop(member)
+            self.excess[0] += max(used - hold_tokens, 0)
+            self.excess[1] += max(
+                (PRICING.cost_micros(prompt, completion) if model == "priced" else 0) - hold_micros, 0
+            )
         member = f"{lease_id}|{reserved}"
         entry = self.tpm_log.get(member)
         if entry is not None and entry[0] > now - WINDOW_MS:
@@ -178,6 +200,7 @@ class Request:
     key: KeyModel
     admission: Admission
     estimate: int
+    hold: tuple[int, int] = (0, 0)  # the budget hold: worst-case tokens and micros
 
 
 def _usage_rows(raw: dict[bytes, bytes]) -> dict[str, list[int]]:
@@ -268,6 +291,7 @@ class AccountingMachine(RuleBasedStateMachine):
         }[name]
         value = data.draw(strategy, label=name)
         self.run(self.store.update(key.id, {name: value}))
+        key.is_budget_fixed = key.is_budget_fixed and name not in ("token_budget", "budget_micros", "budget_period")
         if name == "budget_period":
             key.change_period(value, self.now)
         else:
@@ -288,18 +312,29 @@ class AccountingMachine(RuleBasedStateMachine):
 
     # -- requests ------------------------------------------------------------------------------------------------
 
-    @rule(target=requests, key=keys, estimate=st.integers(0, 150), model=st.sampled_from(MODELS))
-    def admit(self, key: KeyModel, estimate: int, model: str) -> Any:
-        expected = key.decide(self.now, estimate)
+    @rule(
+        target=requests,
+        key=keys,
+        estimate=st.integers(0, 150),
+        model=st.sampled_from(MODELS),
+        hold_tokens=st.integers(0, 200),
+        costs=st.tuples(st.integers(0, 60), st.integers(0, 60)),
+    )
+    def admit(self, key: KeyModel, estimate: int, model: str, hold_tokens: int, costs: tuple[int, int]) -> Any:
+        """Several requests may be admitted before any settles; each holds its worst case against the budgets
+        (the cost: the dearest of the model and its fallback, as every key here may use every model)."""
+        hold = (hold_tokens, max(costs))
+        expected = key.decide(self.now, estimate, hold)
+        budget = BudgetCost(hold_tokens, ((model, costs[0]), ("fallback", costs[1])))
         try:
-            admission = self.run(self.access.admit(key.secret, model=model, estimated_tokens=estimate))
+            admission = self.run(self.access.admit(key.secret, model=model, estimated_tokens=estimate, budget=budget))
         except GatewayError as error:
             assert error.code == expected, (error.code, expected, error.message)
             return multiple()
         assert expected == "ok", f"admitted, but the model says {expected}"
         assert admission.lease_id is not None
-        key.admit(self.now, admission.lease_id, estimate)
-        return Request(key, admission, estimate)
+        key.admit(self.now, admission.lease_id, estimate, hold)
+        return Request(key, admission, estimate, hold if key.is_budgeted else (0, 0))
 
     @rule(key=keys, estimate=st.integers(0, 50))
     def admit_with_old_secret(self, key: KeyModel, estimate: int) -> None:
@@ -406,6 +441,17 @@ class AccountingMachine(RuleBasedStateMachine):
         live = {member for member, score in logged.items() if score > now - WINDOW_MS}
         assert live == {m for m, (t, _) in key.tpm_log.items() if t > now - WINDOW_MS}
         assert sum(int(m.rpartition("|")[2]) for m in live) == key.live_tokens(now)
+
+        holds = await redis.zrange(redis_names.key_holds(key.id), 0, -1, withscores=True)
+        assert {m.decode() for m, expiry in holds if expiry > now} == {
+            member for member, (expiry, _, _) in key.holds.items() if expiry > now
+        }
+        if key.is_budget_fixed and key.budget_period == "total":
+            # The guarantee: spend ≤ budget, plus what requests charged above their holds.
+            if key.token_budget is not None:
+                assert key.tokens_spent <= key.token_budget + key.excess[0]
+            if key.budget_micros is not None:
+                assert key.spend_micros <= key.budget_micros + key.excess[1]
 
         leases = await redis.zrange(redis_names.key_leases(key.id), 0, -1, withscores=True)
         assert {m.decode() for m, expiry in leases if expiry > now} == {
