@@ -23,6 +23,7 @@ from typing import Any
 
 from local_engine.engine import LLMEngine
 from local_engine.errors import DuplicateRequestError, EngineDeadError, LocalEngineError, RequestFailedError
+from local_engine.fair_share import DEFAULT_TENANCY, Tenancy
 from local_engine.output_processor import RequestOutput
 from local_engine.sampling_params import SamplingParams
 
@@ -54,7 +55,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         # (request id, prompt ids, params) of a request to add, or the id of one to abort
-        self._inbox: queue.SimpleQueue[tuple[str, list[int], SamplingParams] | str] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[str, list[int], SamplingParams, Tenancy] | str] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams between the loop thread and the engine thread
@@ -88,7 +89,11 @@ class AsyncEngine:
         return self.engine.validate(prompt_token_ids, params)
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        tenancy: Tenancy = DEFAULT_TENANCY,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's deltas until it finishes. Invalid requests raise before the first delta."""
         self._check_alive()
@@ -99,7 +104,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._inbox.put((request_id, prompt_token_ids, params))
+        self._inbox.put((request_id, prompt_token_ids, params, tenancy))
         self._wakeup.set()
         if not self._thread.is_alive():  # died after the first check: nobody would ever answer
             with self._lock:
@@ -159,12 +164,12 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(item, tuple):
-                request_id, prompt, params = item
+                request_id, prompt, params, tenancy = item
                 with self._lock:
                     is_live = request_id in self._streams
                 if is_live:
                     try:
-                        engine.add_request(request_id, prompt, params)
+                        engine.add_request(request_id, prompt, params, tenancy)
                     except LocalEngineError as error:  # e.g. a refusal: the request's stream raises it
                         self._deliver([(request_id, error)])  # (add_request registers nothing when it raises)
                     except Exception as error:  # validated already: fail this request alone, never the loop

@@ -15,6 +15,7 @@ import itertools
 import logging
 import resource
 import sys
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 from local_engine.block_manager import BlockManager
 from local_engine.config import EngineConfig, ModelConfig
 from local_engine.errors import DuplicateRequestError, InvalidParamError, PromptTooLongError
+from local_engine.fair_share import DEFAULT_TENANCY, Tenancy
 from local_engine.metrics import ThroughputMeter
 from local_engine.model_runner import ModelRunner
 from local_engine.output_processor import (
@@ -187,17 +189,29 @@ class LLMEngine:
             raise InvalidParamError(f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
         return self.scheduler.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tenancy: Tenancy = DEFAULT_TENANCY,
+    ) -> None:
+        """Queue a request; `tenancy` says whose share of the engine serves it (tenant, weight, priority)."""
         if request_id in self.requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already running")
         max_tokens = self.validate(prompt_token_ids, params)
-        request = self._build_request(request_id, prompt_token_ids, params, max_tokens)
+        request = self._build_request(request_id, prompt_token_ids, params, max_tokens, tenancy)
         self.requests[request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
 
     def _build_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        tenancy: Tenancy,
     ) -> _Request:
         seqs: list[Sequence] = []
         for index in range(params.n):
@@ -210,6 +224,7 @@ class LLMEngine:
                     eos_token_ids=self.eos_token_ids,
                     index=index,
                     parent=seqs[0] if seqs else None,
+                    tenancy=tenancy,
                 )
             )
         detokenizers: list[IncrementalDetokenizer | None] = [
@@ -434,6 +449,9 @@ class LLMEngine:
             "num_waiting_seqs": len(scheduler.waiting),
             "num_preempted_seqs": sum(1 for s in scheduler.waiting if s.num_preemptions),
             "num_preemptions_total": scheduler.num_preemptions,
+            # tenant -> counter, served tokens, preemptions, queue time; and its sequences waiting now
+            "tenants": scheduler.fair.shares(),
+            "waiting_by_tenant": dict(Counter(s.tenancy.tenant for s in scheduler.waiting)),
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_free": bm.num_free_blocks,

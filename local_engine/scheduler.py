@@ -2,19 +2,24 @@
 
 Every step mixes decode tokens of running sequences with (chunked) prefill of new ones under
 `max_num_batched_tokens` and `max_num_seqs`, in this order: running decodes, running prefills (the next chunk of a
-long prompt), then waiting sequences in arrival order. When the cache runs out of blocks the most recently arrived
-running sequence is preempted by recompute: its blocks are freed and it goes back to the front of the queue with
-its generated tokens kept, so it later resumes with exactly the output it would have produced.
+long prompt), then waiting sequences by their tenant's fair share (local_engine/fair_share.py: priority class, then
+virtual token counter, then arrival). When the cache runs out of blocks the latest running sequence of the most
+served tenant is preempted by recompute: its blocks are freed and it goes back to the front of the queue with its
+generated tokens kept, so it later resumes with exactly the output it would have produced. A waiting sequence of a
+less served tenant (by `fair_preempt_gap` tokens) or a better priority class takes a full batch's or cache's room
+the same way. One tenant alone: first come, first served, exactly.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from local_engine.block_manager import BlockManager
 from local_engine.errors import PromptTooLongError
+from local_engine.fair_share import FairShare
 from local_engine.sequence import FinishReason, Sequence, SequenceStatus
 
 __all__ = ["PromptTooLongError", "ScheduledBatch", "Scheduler"]
@@ -55,6 +60,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        fair_preempt_gap: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -64,6 +70,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # kept sorted by seq_id, i.e. by arrival
         self.num_preemptions = 0
+        self.fair = FairShare()
+        # How far (weighted tokens) a running tenant must be ahead of a waiting one before it gives up a sequence:
+        # one full step's budget by default, so a preempted tenant is not preempted back and forth every step.
+        self.fair_preempt_gap = max_num_batched_tokens if fair_preempt_gap is None else fair_preempt_gap
 
     # -- admission ----------------------------------------------------------------------------------------------
 
@@ -86,6 +96,7 @@ class Scheduler:
         return max_tokens
 
     def add(self, seq: Sequence) -> None:
+        self.fair.join(seq.tenancy.tenant)
         self.waiting.append(seq)
 
     @property
@@ -116,22 +127,19 @@ class Scheduler:
             if seq.spec_token_ids:
                 num_new += self._fit_proposal(seq, budget)
             if num_new == 1 and seq.num_computed_tokens % block_size:
-                scheduled[seq] = 1  # the token goes into the last block, which has room: nothing to allocate
-                budget -= 1
+                # the token goes into the last block, which has room: nothing to allocate
+                budget -= self._take(scheduled, seq, 1)
                 continue
             while not self.block_manager.can_append(seq, num_new):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim)
-                budget += scheduled.pop(victim, 0)
+                victim = max(self.running, key=self._victim_key)
+                budget += self._preempt(victim, scheduled, preempted)
                 if victim is seq:
                     break
             else:
                 self.block_manager.may_append(seq, num_new)
-                scheduled[seq] = num_new
-                budget -= num_new
+                budget -= self._take(scheduled, seq, num_new)
         if not preempted:
-            budget = self._admit_waiting(scheduled, budget)
+            budget = self._admit_waiting(scheduled, budget, preempted)
         # Decodes first, longest context first (attention groups sequences of similar length), then prefills.
         # Verifications next: the model runner computes them as decode rows, one per query position.
         decode_seqs: list[Sequence] = []
@@ -165,36 +173,83 @@ class Scheduler:
             seq.spec_token_ids = []
         return len(seq.spec_token_ids)
 
-    def _admit_waiting(self, scheduled: dict[Sequence, int], budget: int) -> int:
-        """Move waiting sequences into the running set in arrival order while budget and blocks allow."""
-        skipped: list[Sequence] = []
+    def _admit_waiting(self, scheduled: dict[Sequence, int], budget: int, preempted: list[Sequence]) -> int:
+        """Move waiting sequences into the running set, the most underserved tenant's first, while budget, seats
+        and blocks allow, taking a more served tenant's room when `_fair_victim` allows it."""
         size = self.block_manager.block_size
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.is_waiting_for_parent:
-                skipped.append(self.waiting.popleft())
+        admitted: set[Sequence] = set()  # never preempted in the step that admits them: no cycles
+        while budget > 0 and (index := self._next_waiting()) is not None:
+            seq = self.waiting[index]
+            if len(self.running) >= self.max_num_seqs:
+                fits = False
+            else:
+                computed = self.block_manager.get_computed_blocks(seq)
+                num_new = min(seq.num_tokens - len(computed) * size, budget)
+                fits = self.block_manager.can_allocate(seq, computed, num_new)
+            if not fits:
+                victim = self._fair_victim(seq, admitted)
+                if victim is None:
+                    break  # nobody overtakes the sequence whose turn it is
+                budget += self._preempt(victim, scheduled, preempted)
                 continue
-            computed = self.block_manager.get_computed_blocks(seq)
-            num_new = min(seq.num_tokens - len(computed) * size, budget)
-            if not self.block_manager.can_allocate(seq, computed, num_new):
-                break  # first come, first served: later arrivals do not overtake
-            self.waiting.popleft()
+            del self.waiting[index]
+            if not seq.num_preemptions and not seq.num_computed_tokens:
+                self.fair.queue_time_s[seq.tenancy.tenant] += time.monotonic() - seq.arrival_time
             self.block_manager.allocate(seq, computed, num_new)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.seq_id)
-            scheduled[seq] = num_new
-            budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
+            admitted.add(seq)
+            budget -= self._take(scheduled, seq, num_new)
         return budget
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _next_waiting(self) -> int | None:
+        """The index of the waiting sequence to admit next: lowest (priority, tenant counter), then arrival order
+        (the queue's; preempted sequences return to its front). Siblings wait for their parent's prompt."""
+        best: int | None = None
+        best_key = (0, 0.0)
+        key = self.fair.key
+        for i, seq in enumerate(self.waiting):
+            if seq.is_waiting_for_parent:
+                continue
+            seq_key = key(seq.tenancy)
+            if best is None or seq_key < best_key:
+                best, best_key = i, seq_key
+        return best
+
+    def _victim_key(self, seq: Sequence) -> tuple[int, float, int]:
+        """Preempted first: the worst priority class, the most served tenant, its latest sequence."""
+        rank, counter = self.fair.key(seq.tenancy)
+        return rank, counter, seq.seq_id
+
+    def _fair_victim(self, seq: Sequence, admitted: set[Sequence]) -> Sequence | None:
+        """The running sequence `seq` may take the room of, if any (see FairShare.may_preempt)."""
+        if len(self.fair.num_active) < 2:
+            return None  # one tenant: first come, first served
+        victim = max((s for s in self.running if s not in admitted), key=self._victim_key, default=None)
+        if victim is None:
+            return None
+        return victim if self.fair.may_preempt(seq.tenancy, victim.tenancy, self.fair_preempt_gap) else None
+
+    def _take(self, scheduled: dict[Sequence, int], seq: Sequence, num_new: int) -> int:
+        scheduled[seq] = num_new
+        self.fair.charge(seq.tenancy, num_new)
+        return num_new
+
+    def _preempt(self, seq: Sequence, scheduled: dict[Sequence, int], preempted: list[Sequence]) -> int:
+        """Preempt `seq` by recompute; returns the budget it had taken this step (refunded to its tenant)."""
         seq.spec_token_ids = []
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self.fair.preemptions[seq.tenancy.tenant] += 1
         self.waiting.appendleft(seq)
+        preempted.append(seq)
+        num_taken = scheduled.pop(seq, 0)
+        if num_taken:
+            self.fair.charge(seq.tenancy, -num_taken)
+        return num_taken
 
     def postprocess(
         self,
@@ -258,6 +313,7 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
+        self.fair.leave(seq.tenancy.tenant)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -7,8 +7,10 @@ parent's prompt is in the cache and then reuse its full blocks through the prefi
 from __future__ import annotations
 
 import itertools
+import time
 from enum import Enum
 
+from local_engine.fair_share import DEFAULT_TENANCY, Tenancy
 from local_engine.sampling_params import SamplingParams
 
 __all__ = ["FinishReason", "Sequence", "SequenceStatus"]
@@ -32,6 +34,7 @@ class Sequence:
     """Token state of one sequence. `seq_id` grows with arrival, so it orders sequences by arrival time."""
 
     __slots__ = (
+        "arrival_time",
         "block_hashes",
         "block_table",
         "eos_token_ids",
@@ -54,6 +57,7 @@ class Sequence:
         "spec_token_ids",
         "status",
         "stop_reason",
+        "tenancy",
         "token_ids",
     )
 
@@ -67,6 +71,7 @@ class Sequence:
         eos_token_ids: frozenset[int] = frozenset(),
         index: int = 0,
         parent: Sequence | None = None,
+        tenancy: Tenancy = DEFAULT_TENANCY,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
@@ -84,6 +89,8 @@ class Sequence:
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
         self.parent = parent
+        self.tenancy = tenancy  # whose share of the engine serves it (local_engine/fair_share.py)
+        self.arrival_time = time.monotonic()
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
