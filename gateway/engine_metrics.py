@@ -11,7 +11,15 @@ from prometheus_client.registry import Collector
 from backends.base import ReportsEngineStats
 from gateway.router import Router
 
-__all__ = ["EngineStatsCollector", "local_engine_stats"]
+__all__ = ["EngineStatsCollector", "fold_tenants", "local_engine_stats"]
+
+MAX_TENANT_LABELS = 16  # tenants beyond the most served ones are summed under "other" (bounded label sets)
+# per-tenant stat key -> (metric name without _total, help); counters labelled by tenant
+_TENANT_COUNTERS = {
+    "served_tokens": ("unigate_engine_tenant_tokens", "Tokens the engine computed for each tenant (prefill+decode)."),
+    "queue_time_s": ("unigate_engine_tenant_queue_seconds", "Seconds the tenant's sequences waited for admission."),
+    "preemptions": ("unigate_engine_tenant_preemptions", "The tenant's sequences preempted (recompute)."),
+}
 
 # stat key -> (metric name, help); gauges
 _GAUGES = {
@@ -83,3 +91,24 @@ class EngineStatsCollector(Collector):
                 if isinstance(value, int | float):
                     memory.add_metric([stats["model"], stats["name"], kind], float(value))
         yield memory
+        yield from _tenant_counters(engines, labels)
+
+
+def fold_tenants(tenants: dict[str, dict[str, float]], cap: int = MAX_TENANT_LABELS) -> dict[str, dict[str, float]]:
+    """The `cap` most served tenants as they are, the rest summed under "other"."""
+    ranked = sorted(tenants, key=lambda t: -tenants[t].get("served_tokens", 0.0))
+    folded = {(t or "anonymous"): dict(tenants[t]) for t in ranked[:cap]}
+    for tenant in ranked[cap:]:
+        other = folded.setdefault("other", {})
+        for key, value in tenants[tenant].items():
+            other[key] = other.get(key, 0.0) + value
+    return folded
+
+
+def _tenant_counters(engines: list[dict[str, Any]], labels: list[str]) -> Iterator[Metric]:
+    for key, (name, help_text) in _TENANT_COUNTERS.items():
+        counter = CounterMetricFamily(name, help_text, labels=[*labels, "tenant"])
+        for stats in engines:
+            for tenant, values in fold_tenants(stats.get("tenants") or {}).items():
+                counter.add_metric([stats["model"], stats["name"], tenant], float(values.get(key, 0.0)))
+        yield counter
