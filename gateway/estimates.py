@@ -56,8 +56,11 @@ def prompt_token_bound(endpoint: Endpoint, body: Json) -> int:
             size += sum(_utf8(m.get("role")) + _utf8(m.get("name")) for m in messages if isinstance(m, dict))
     for name in ("tools", "functions", "tool_choice", "response_format", "text"):
         value = body.get(name)
-        if isinstance(value, dict | list):  # a parsed JSON body: always serializable
-            size += len(orjson.dumps(value))
+        if isinstance(value, dict | list):
+            try:
+                size += len(orjson.dumps(value))
+            except orjson.JSONEncodeError:  # nested deeper than 255: refused with 400 before any upstream sees it
+                pass
     return size + MESSAGE_OVERHEAD * num_messages
 
 
