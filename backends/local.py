@@ -24,7 +24,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -43,6 +43,7 @@ from backends.local_mapping import (
 from gateway.errors import EngineError, EngineLoadingError, GatewayError
 from local_engine.config import EngineConfig
 from local_engine.errors import CheckpointError
+from local_engine.fair_share import DEFAULT_TENANCY, Tenancy
 from local_engine.output_processor import RequestOutput, accumulate
 
 if TYPE_CHECKING:
@@ -234,11 +235,18 @@ class LocalBackend:
         return endpoint in NATIVE_ENDPOINTS
 
     async def send(
-        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+        self,
+        endpoint: Endpoint,
+        body: Json,
+        *,
+        request_id: str,
+        headers: Mapping[str, str] | None = None,
+        tenancy: Tenancy = DEFAULT_TENANCY,
     ) -> Json:
+        """`tenancy`: whose share of the engine serves it (the gateway does not pass it yet: every call is "")."""
         engine = await self._ready()
         request = await self._parse(engine, endpoint, body)
-        streams = [engine.generate(ids, request.params, f"{request_id}-{next(self._ids)}") for ids in request.prompts]
+        streams = self._generate(engine, request, request_id, tenancy)
         deltas: list[list[RequestOutput]] = [[] for _ in streams]
         try:
             with engine_errors(endpoint):
@@ -257,11 +265,17 @@ class LocalBackend:
         return request.response(choices, usage.as_dict(), request_id)
 
     async def stream(
-        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+        self,
+        endpoint: Endpoint,
+        body: Json,
+        *,
+        request_id: str,
+        headers: Mapping[str, str] | None = None,
+        tenancy: Tenancy = DEFAULT_TENANCY,
     ) -> AsyncIterator[Json]:
         engine = await self._ready()
         request = await self._parse(engine, endpoint, body)
-        streams = [engine.generate(ids, request.params, f"{request_id}-{next(self._ids)}") for ids in request.prompts]
+        streams = self._generate(engine, request, request_id, tenancy)
         usage = Usage()
         started: set[int] = set()
         try:
@@ -350,6 +364,15 @@ class LocalBackend:
         }
 
     # -- requests -----------------------------------------------------------------------------------------------
+
+    def _generate(
+        self, engine: AsyncEngine, request: ParsedRequest, request_id: str, tenancy: Tenancy
+    ) -> list[AsyncGenerator[RequestOutput, None]]:
+        """One engine stream per prompt."""
+        return [
+            engine.generate(ids, request.params, f"{request_id}-{next(self._ids)}", tenancy=tenancy)
+            for ids in request.prompts
+        ]
 
     async def _parse(self, engine: AsyncEngine, endpoint: Endpoint, body: Json) -> ParsedRequest:
         """Check cheap things on the event loop (fields, sampling parameters, the prompt's size in characters),

@@ -71,9 +71,11 @@ class Scheduler:
         self.running: list[Sequence] = []  # kept sorted by seq_id, i.e. by arrival
         self.num_preemptions = 0
         self.fair = FairShare()
+        self.is_fair = True  # False: first come, first served across tenants (benchmarks/tenancy.py's baseline)
         # How far (weighted tokens) a running tenant must be ahead of a waiting one before it gives up a sequence:
-        # one full step's budget by default, so a preempted tenant is not preempted back and forth every step.
-        self.fair_preempt_gap = max_num_batched_tokens if fair_preempt_gap is None else fair_preempt_gap
+        # one step of a full batch's decodes by default: a newcomer (which starts level with the most underserved
+        # active tenant) waits about one step, and a tenant is not preempted back and forth every step.
+        self.fair_preempt_gap = max_num_seqs if fair_preempt_gap is None else fair_preempt_gap
 
     # -- admission ----------------------------------------------------------------------------------------------
 
@@ -211,6 +213,8 @@ class Scheduler:
         for i, seq in enumerate(self.waiting):
             if seq.is_waiting_for_parent:
                 continue
+            if not self.is_fair:
+                return i
             seq_key = key(seq.tenancy)
             if best is None or seq_key < best_key:
                 best, best_key = i, seq_key
@@ -223,7 +227,7 @@ class Scheduler:
 
     def _fair_victim(self, seq: Sequence, admitted: set[Sequence]) -> Sequence | None:
         """The running sequence `seq` may take the room of, if any (see FairShare.may_preempt)."""
-        if len(self.fair.num_active) < 2:
+        if len(self.fair.num_active) < 2 or not self.is_fair:
             return None  # one tenant: first come, first served
         victim = max((s for s in self.running if s not in admitted), key=self._victim_key, default=None)
         if victim is None:
