@@ -232,7 +232,11 @@ class Scheduler:
         victim = max((s for s in self.running if s not in admitted), key=self._victim_key, default=None)
         if victim is None:
             return None
-        return victim if self.fair.may_preempt(seq.tenancy, victim.tenancy, self.fair_preempt_gap) else None
+        # A tenant with nothing running takes its first seat without waiting for a gap: that cannot go back and
+        # forth (each such preemption seats a tenant that had none).
+        tenant = seq.tenancy.tenant
+        gap = self.fair_preempt_gap if any(s.tenancy.tenant == tenant for s in self.running) else 0
+        return victim if self.fair.may_preempt(seq.tenancy, victim.tenancy, gap) else None
 
     def _take(self, scheduled: dict[Sequence, int], seq: Sequence, num_new: int) -> int:
         scheduled[seq] = num_new
