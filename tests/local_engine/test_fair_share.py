@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from fakes.tiny_models import TinyModel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -191,3 +192,27 @@ def test_the_scheduler_follows_the_reference_counters(
         while alone.has_unfinished:
             step(alone, solo_model)
         assert seq.output_token_ids == solo.output_token_ids
+
+
+def test_a_burst_through_the_engine_does_not_hold_another_tenant_back(llama: TinyModel) -> None:
+    """Through LLMEngine with a tiny model: A floods, B's request is admitted at the next step and its greedy
+    output is the one it has alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    alone = llama.engine()
+    alone.add_request("b", [7, 8, 9], params)
+    (solo,) = alone.requests["b"].seqs
+    while alone.has_unfinished_requests:
+        alone.step()
+    engine = llama.engine(max_num_seqs=4)
+    for i in range(40):
+        engine.add_request(f"a{i}", [5 + i % 9] * 6, params, Tenancy("A"))
+    for _ in range(3):
+        engine.step()
+    engine.add_request("b", [7, 8, 9], params, Tenancy("B"))
+    engine.step()
+    (b,) = engine.requests["b"].seqs
+    assert b.status is not SequenceStatus.WAITING and engine.scheduler.fair.preemptions["A"] == 1
+    assert engine.stats()["waiting_by_tenant"] == {"A": 37}
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert b.output_token_ids == solo.output_token_ids
