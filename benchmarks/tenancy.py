@@ -1,0 +1,121 @@
+"""The local engine shared by tenants, on the bundled model, through the AsyncEngine directly (the gateway path
+does not carry weights or priorities yet), fair share against first come, first served, in one run.
+
+    python benchmarks/tenancy.py           # the issue's workload (several minutes on 2 cores)
+    python benchmarks/tenancy.py --quick   # a smoke run
+
+Reported:
+- burst: tenant A opens N streams (64 tokens each) at once; after a delay B sends short streaming requests one
+  after another: B's worst and p50 TTFT, fair and FCFS; and B's p50 beside as many of A's streams as run at once
+  (no queue: what the batch itself costs);
+- one tenant alone: output tokens/s, fair vs FCFS (alternating rounds, best of each);
+- two saturating tenants, weights 1:1 and 3:1: the ratio of tokens served over a window of steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import time
+from collections import Counter
+
+import torch
+
+from local_engine.async_engine import AsyncEngine
+from local_engine.config import EngineConfig
+from local_engine.engine import LLMEngine
+from local_engine.fair_share import Tenancy
+from local_engine.loader import bundled_model_path, load_checkpoint
+from local_engine.sampling_params import SamplingParams
+
+
+def prompt(i: int, length: int = 24) -> list[int]:
+    return [(i * 131 + j * 7) % 20000 + 100 for j in range(length)]
+
+
+async def b_ttfts(engine: LLMEngine, num_a: int, a_tokens: int, num_b: int, delay_s: float) -> list[float]:
+    """A opens `num_a` streams; after `delay_s` B sends `num_b` short requests one after another: B's TTFTs."""
+    runner = AsyncEngine(engine)
+
+    async def consume(tokens: list[int], max_tokens: int, tenancy: Tenancy, rid: str) -> float:
+        started = time.perf_counter()
+        first = 0.0
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        async for _ in runner.generate(tokens, params, rid, tenancy=tenancy):
+            first = first or time.perf_counter() - started
+        return first
+
+    a = [asyncio.create_task(consume(prompt(i), a_tokens, Tenancy("A"), f"a{i}")) for i in range(num_a)]
+    await asyncio.sleep(delay_s)
+    ttfts = [await consume(prompt(10_000 + i, 12), 8, Tenancy("B"), f"b{i}") for i in range(num_b)]
+    await asyncio.gather(*a)
+    await runner.shutdown()
+    return ttfts
+
+
+def throughput(engine: LLMEngine, num: int, tokens: int) -> float:
+    """One tenant, `num` requests at once: output tokens/s."""
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    for i in range(num):
+        engine.add_request(f"t{i}", prompt(i), params)
+    started = time.perf_counter()
+    while engine.has_unfinished_requests:
+        engine.step()
+    return num * tokens / (time.perf_counter() - started)
+
+
+def served_ratio(engine: LLMEngine, weights: tuple[float, float], num_steps: int) -> float:
+    """Two tenants each far beyond the batch: A's served tokens over B's in `num_steps` steps after a warm-up."""
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    for i in range(150):
+        for tenant, weight in zip("AB", weights, strict=True):
+            engine.add_request(f"{tenant}{i}", prompt(i), params, Tenancy(tenant, weight=weight))
+    for _ in range(num_steps // 4):
+        engine.step()
+    before = Counter(engine.scheduler.fair.served_tokens)
+    for _ in range(num_steps):
+        engine.step()
+    served = Counter(engine.scheduler.fair.served_tokens)
+    served.subtract(before)
+    for request_id in list(engine.requests):
+        engine.abort_request(request_id)
+    return served["A"] / served["B"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a smoke run (smaller burst, fewer steps)")
+    args = parser.parse_args()
+    num_a, num_b, delay_s, num_steps, rounds = (60, 4, 0.5, 40, 1) if args.quick else (200, 12, 2.0, 240, 2)
+    torch.manual_seed(0)
+    checkpoint = load_checkpoint(bundled_model_path())
+    engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(device="cpu", max_num_seqs=32 if args.quick else 64))
+    seats = engine.scheduler.max_num_seqs
+    throughput(engine, seats, 8)  # warm-up: the first steps of a fresh engine are slower
+    print(f"load average at start: {os.getloadavg()}")
+    for is_fair in (True, False):
+        engine.scheduler.is_fair = is_fair
+        ttfts = asyncio.run(b_ttfts(engine, num_a, 64, num_b, delay_s))
+        name = "fair" if is_fair else "FCFS"
+        print(f"burst {name}: A {num_a}x64, B x{num_b}: worst {max(ttfts):.2f}s p50 {statistics.median(ttfts):.2f}s")
+    engine.scheduler.is_fair = True
+    beside = asyncio.run(b_ttfts(engine, seats, 64, num_b, delay_s))
+    print(f"B beside {seats} running A streams (no queue): p50 {statistics.median(beside):.2f}s")
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds):
+        for is_fair in (False, True):
+            engine.scheduler.is_fair = is_fair
+            rates[is_fair].append(throughput(engine, seats, 64))
+    fair, fcfs = max(rates[True]), max(rates[False])
+    print(f"one tenant: fair {fair:.1f} tok/s, FCFS {fcfs:.1f} tok/s ({fair / fcfs - 1:+.1%})")
+    engine.scheduler.is_fair = True
+    for weights in ((1.0, 1.0), (3.0, 1.0)):
+        ratio = served_ratio(engine, weights, num_steps)
+        print(f"two saturating tenants, weights {weights[0]:g}:{weights[1]:g}: served {ratio:.2f}:1")
+    print(f"load average at end: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
