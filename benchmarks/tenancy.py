@@ -69,7 +69,8 @@ def throughput(engine: LLMEngine, num: int, tokens: int) -> float:
 def served_ratio(engine: LLMEngine, weights: tuple[float, float], num_steps: int) -> float:
     """Two tenants each far beyond the batch: A's served tokens over B's in `num_steps` steps after a warm-up."""
     params = SamplingParams(max_tokens=64, ignore_eos=True)
-    for i in range(150):
+    # enough for both tenants to stay backlogged through the window (a drained tenant would skew the ratio to 1:1)
+    for i in range(engine.scheduler.max_num_seqs * num_steps // 16):
         for tenant, weight in zip("AB", weights, strict=True):
             engine.add_request(f"{tenant}{i}", prompt(i), params, Tenancy(tenant, weight=weight))
     for _ in range(num_steps // 4):
