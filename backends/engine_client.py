@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from backends.engine_protocol import (
     CountTokens,
     Failed,
     Finished,
+    FrameDecoder,
     GetState,
     HostMessage,
     Output,
@@ -44,7 +46,6 @@ from backends.engine_protocol import (
     TruncatedFrameError,
     WorkerMessage,
     encode,
-    read_message,
 )
 from backends.local_mapping import NATIVE_ENDPOINTS
 from gateway.errors import EngineError, GatewayError, UnavailableError
@@ -55,6 +56,7 @@ __all__ = ["EngineClient", "EngineClientConfig"]
 # and requests get `engine_loading` from the engine itself).
 ENGINE_DOWN_RETRY_AFTER_S = 5
 _STATE_TIMEOUT_S = 5.0
+_READ_BYTES = 2**16
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,12 +80,27 @@ class _Channel:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
+        self.decoder = FrameDecoder()
+        self.received: deque[WorkerMessage | HostMessage] = deque()
 
     def is_usable(self) -> bool:
         return not self.writer.is_closing() and not self.reader.at_eof()  # (at EOF: the host closed it, or died)
 
     def send(self, message: WorkerMessage) -> None:
         self.writer.write(encode(message))
+
+    async def receive(self, timeout_s: float) -> WorkerMessage | HostMessage | None:
+        """The next message; None when the host closed the connection. Whatever one read brings is decoded at
+        once (a busy worker finds several chunks waiting), and a read waits `timeout_s` at most."""
+        while not self.received:
+            async with asyncio.timeout(timeout_s):
+                data = await self.reader.read(_READ_BYTES)
+            if not data:
+                if self.decoder.is_partial:
+                    raise TruncatedFrameError("the engine host closed the connection in the middle of a frame")
+                return None
+            self.received.extend(self.decoder.feed(data))
+        return self.received.popleft()
 
     def abort(self, call_id: int) -> None:
         """End a call before its end: the host cancels it, and the connection, which may still bring its
@@ -257,8 +274,7 @@ class EngineClient:
         """The call's next message. The process gone (or silent for `timeout_s`) is a 503: before the call's first
         message as a process that does not answer, after it as a stream cut off."""
         try:
-            async with asyncio.timeout(timeout_s):
-                message = await read_message(channel.reader)
+            message = await channel.receive(timeout_s)
         except (ConnectionError, TimeoutError, TruncatedFrameError) as exc:
             raise self._cut_off(exc) if is_started else self._unreachable(exc) from None
         except ProtocolError as exc:

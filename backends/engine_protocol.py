@@ -40,6 +40,7 @@ __all__ = [
     "CountTokens",
     "Failed",
     "Finished",
+    "FrameDecoder",
     "GetState",
     "HostMessage",
     "Output",
@@ -70,11 +71,11 @@ class TruncatedFrameError(ProtocolError):
 class _Message:
     __slots__ = ()
     KIND: ClassVar[str]
-    _WIRE: ClassVar[tuple[tuple[type, ...], ...]]  # the accepted JSON types of each field, from the annotations
+    _WIRE: ClassVar[tuple[frozenset[type], ...]]  # the JSON types each field accepts, from its annotation
 
     def to_wire(self) -> list[Any]:
         names: tuple[str, ...] = self.__slots__  # a dataclass's fields, in order
-        return [self.KIND, *(getattr(self, name) for name in names)]
+        return [self.KIND, *map(self.__getattribute__, names)]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -189,7 +190,7 @@ def _error_classes(root: type[GatewayError]) -> dict[str, type[GatewayError]]:
 _ERRORS = _error_classes(GatewayError)
 
 
-def _wire_types(cls: type[_Message]) -> tuple[tuple[type, ...], ...]:
+def _wire_types(cls: type[_Message]) -> tuple[frozenset[type], ...]:
     hints = typing.get_type_hints(cls, globals())
     accepted = []
     for field in fields(cast(Any, cls)):
@@ -197,7 +198,7 @@ def _wire_types(cls: type[_Message]) -> tuple[tuple[type, ...], ...]:
         options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
         if typing.get_origin(hint) is typing.Literal:  # checked by `decode` (a closed set of strings)
             options = (str,)
-        accepted.append(tuple(typing.get_origin(option) or option for option in options))
+        accepted.append(frozenset(typing.get_origin(option) or option for option in options))
     return tuple(accepted)
 
 
@@ -211,7 +212,7 @@ def encode(message: WorkerMessage | HostMessage) -> bytes:
     return _HEADER.pack(len(payload)) + payload
 
 
-def decode(payload: bytes) -> WorkerMessage | HostMessage:
+def decode(payload: bytes | bytearray) -> WorkerMessage | HostMessage:
     """The message in a frame's payload; `ProtocolError` when it is not one of the table."""
     try:
         items = orjson.loads(payload)
@@ -220,7 +221,8 @@ def decode(payload: bytes) -> WorkerMessage | HostMessage:
     if not isinstance(items, list) or not items or not isinstance(items[0], str) or items[0] not in _KINDS:
         raise ProtocolError("a frame that names no message of the engine protocol")
     cls, values = _KINDS[items[0]], items[1:]
-    if len(values) != len(cls._WIRE) or not all(map(_fits, values, cls._WIRE)):
+    # Exact types (JSON gives exactly int, str, dict, ...; so a bool is no int here), checked at C speed.
+    if len(values) != len(cls._WIRE) or not all(map(frozenset.__contains__, cls._WIRE, map(type, values))):
         raise ProtocolError(f"a {cls.KIND!r} message with fields of the wrong number or type")
     message: WorkerMessage | HostMessage = cast(Any, cls)(*values)
     if isinstance(message, State) and message.state not in _HEALTH_STATES:
@@ -228,10 +230,35 @@ def decode(payload: bytes) -> WorkerMessage | HostMessage:
     return message
 
 
-def _fits(value: Any, accepted: tuple[type, ...]) -> bool:
-    if value is None:
-        return types.NoneType in accepted
-    return isinstance(value, accepted) and (bool in accepted or not isinstance(value, bool))
+class FrameDecoder:
+    """Messages from a byte stream read in pieces of any size (as `backends.sse.SSEDecoder` reads SSE): `feed`
+    returns the messages the data completes; a frame announcing more than `max_bytes` is a `ProtocolError`."""
+
+    def __init__(self, max_bytes: int = MAX_FRAME_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._buffer = bytearray()
+
+    @property
+    def is_partial(self) -> bool:
+        """Whether part of a frame waits for the rest (a stream that ends now is truncated)."""
+        return bool(self._buffer)
+
+    def feed(self, data: bytes) -> list[WorkerMessage | HostMessage]:
+        buffer = self._buffer
+        buffer += data
+        messages = []
+        start = 0
+        while len(buffer) - start >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(buffer, start)
+            if size > self.max_bytes:
+                raise ProtocolError(f"a frame of {size} bytes, over the limit of {self.max_bytes}")
+            end = start + _HEADER.size + size
+            if len(buffer) < end:
+                break
+            messages.append(decode(buffer[start + _HEADER.size : end]))  # (a copy: the buffer stays resizable)
+            start = end
+        del buffer[:start]
+        return messages
 
 
 async def read_message(

@@ -200,6 +200,10 @@ async def gone(call_id: int, writer: asyncio.StreamWriter) -> None:
     pass
 
 
+async def half_a_frame(call_id: int, writer: asyncio.StreamWriter) -> None:
+    writer.write(encode(Output(call_id, CHUNK))[:20])
+
+
 async def garbage(call_id: int, writer: asyncio.StreamWriter) -> None:
     writer.write(struct.pack(">I", 5) + b"hello")
 
@@ -219,10 +223,11 @@ async def test_a_host_gone_mid_stream_is_a_503_and_one_that_babbles_a_502(tmp_pa
                 chunks.append(chunk)
         assert chunks == [CHUNK] and cut.value.status_code == 503 and "middle of the stream" in cut.value.message
         assert client.health_state() == "down"
-        server.close()
-        server = await raw_host(path, gone)
-        with pytest.raises(UnavailableError, match="is not running"):  # gone before its first message
-            await client.send("chat/completions", {}, request_id="req-1")
+        for script in (gone, half_a_frame):  # gone before its first message
+            server.close()
+            server = await raw_host(path, script)
+            with pytest.raises(UnavailableError, match="is not running"):
+                await client.send("chat/completions", {}, request_id="req-1")
         for script in (garbage, oversize):
             server.close()
             server = await raw_host(path, script)

@@ -1,10 +1,12 @@
-"""The engine protocol's framing and messages: every message survives a round trip; a truncated frame, an oversize
-one and garbage are each a `ProtocolError` (never another exception, never a read past the limit); a gateway error
-crosses as the same error."""
+"""The engine protocol's framing and messages: every message survives a round trip, read whole (`read_message`) or
+in pieces split anywhere (`FrameDecoder`); a truncated frame, an oversize one and garbage are each a
+`ProtocolError` (never another exception, never a read past the limit); a gateway error crosses as the same
+error."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import struct
 from typing import Any
 
@@ -19,6 +21,7 @@ from backends.engine_protocol import (
     CountTokens,
     Failed,
     Finished,
+    FrameDecoder,
     GetState,
     Output,
     ProtocolError,
@@ -74,6 +77,9 @@ messages = st.one_of(
     ),
 )
 
+KINDS = ["add", "abort", "count_tokens", "get_state", "output", "finished", "response", "num_tokens", "state", "failed"]
+near_messages = st.builds(lambda kind, rest: orjson.dumps([kind, *rest]), st.sampled_from(KINDS), st.lists(json_values))
+
 
 def reader_of(data: bytes) -> asyncio.StreamReader:
     reader = asyncio.StreamReader()
@@ -97,6 +103,36 @@ async def test_frames_read_back_in_order_then_none_at_a_clean_end(sent: list[Any
     assert await read_message(reader) is None
 
 
+@settings(max_examples=50)
+@given(st.lists(messages, min_size=1, max_size=4), st.lists(st.integers(1, 64), min_size=1, max_size=20))
+def test_the_decoder_reads_frames_split_anywhere(sent: list[Any], sizes: list[int]) -> None:
+    frames = [encode(message) for message in sent]
+    stream, boundaries = b"".join(frames), set(itertools.accumulate(map(len, frames), initial=0))
+    decoder, received, start = FrameDecoder(), [], 0
+    for size in itertools.cycle(sizes):
+        if start >= len(stream):
+            break
+        received += decoder.feed(stream[start : start + size])
+        start = min(start + size, len(stream))
+        assert decoder.is_partial == (start not in boundaries)  # (a stream ending here would be truncated)
+    assert received == sent and not decoder.is_partial
+
+
+def test_the_decoder_refuses_an_oversize_frame_from_its_length_alone() -> None:
+    decoder = FrameDecoder(max_bytes=1024)
+    assert decoder.feed(encode(Finished(1))) == [Finished(1)]
+    with pytest.raises(ProtocolError, match="over the limit of 1024"):
+        decoder.feed(struct.pack(">I", 1025))
+
+
+@given(st.binary(max_size=64) | near_messages)
+def test_the_decoder_turns_garbage_into_protocol_errors(payload: bytes) -> None:
+    try:
+        FrameDecoder().feed(struct.pack(">I", len(payload)) + payload)
+    except ProtocolError:
+        pass
+
+
 async def test_every_truncation_of_a_frame_is_a_truncated_frame() -> None:
     frame = encode(Output(7, {"choices": [{"delta": {"content": "hi"}}]}))
     for end in range(1, len(frame)):
@@ -111,10 +147,6 @@ async def test_an_oversize_frame_is_refused_before_its_body_is_read() -> None:
         await asyncio.wait_for(read_message(reader, max_bytes=1024), 5)
     exact = encode(Finished(1))
     assert await read_message(reader_of(exact), max_bytes=len(exact) - 4) == Finished(1)
-
-
-KINDS = ["add", "abort", "count_tokens", "get_state", "output", "finished", "response", "num_tokens", "state", "failed"]
-near_messages = st.builds(lambda kind, rest: orjson.dumps([kind, *rest]), st.sampled_from(KINDS), st.lists(json_values))
 
 
 @given(st.binary(max_size=64) | near_messages)
