@@ -33,6 +33,7 @@ from fakes.upstream import PROMPT_TOKENS, FakeUpstream
 from redis.crc import key_slot
 
 from auth import redis_names
+from gateway.estimates import prompt_token_bound
 
 ADMIN = {"authorization": f"Bearer {MASTER}"}
 USED = PROMPT_TOKENS + 3  # tokens the fake upstream reports per request (prompt + 3 completion tokens)
@@ -283,7 +284,10 @@ async def test_gateways_follow_a_failover_under_load(
         ]
         assert statuses == [200] * 5 + [429] * 4
 
-        _, budget_user = await create_key(client, a.url, token_budget=2 * USED)
+        # Hard budgets hold each request's worst case while it runs (the prompt bound + max_tokens): a budget of
+        # one worst case and one request's usage admits two requests one after another, then refuses.
+        worst = prompt_token_bound("chat/completions", chat()) + chat()["max_tokens"]
+        _, budget_user = await create_key(client, a.url, token_budget=USED + worst)
         statuses = [
             (await client.post(f"{urls[i % 2]}/v1/chat/completions", json=chat(), headers=budget_user)).status_code
             for i in range(4)
