@@ -242,7 +242,8 @@ async def test_a_host_gone_mid_stream_is_a_503_and_one_that_babbles_a_502(tmp_pa
 async def test_a_tiny_model_through_the_host(tmp_path: Path) -> None:
     """The real local backend behind the host: the same answer streamed or not, its exact prompt count, and a
     stream closed early is aborted in the engine (its sequence freed)."""
-    backend = tiny_local_backend(tiny_llama_checkpoint(tmp_path / "tiny"), tmp_path / "cache")
+    checkpoint = tiny_llama_checkpoint(tmp_path / "tiny", max_position_embeddings=4096)  # a stream to cut short
+    backend = tiny_local_backend(checkpoint, tmp_path / "cache")
     host = await start_host(backend, tmp_path / "engine.sock")
     client = client_for(str(tmp_path / "engine.sock"))
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}
@@ -257,6 +258,7 @@ async def test_a_tiny_model_through_the_host(tmp_path: Path) -> None:
         assert await client.count_prompt_tokens(body) == sent["usage"]["prompt_tokens"]
         stream = client.stream("chat/completions", {**body, "max_tokens": 4000, "ignore_eos": True}, request_id="r2")
         await anext(stream)
+        assert backend.stats()["num_running_seqs"] == 1
         await stream.aclose()  # type: ignore[attr-defined]
         for _ in range(200):
             if backend.stats()["num_running_seqs"] == 0 and host.num_calls() == 0:
