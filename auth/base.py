@@ -18,7 +18,7 @@ import fnmatch
 import hmac
 from collections.abc import Awaitable, Generator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from gateway.errors import AuthError
 
@@ -32,6 +32,7 @@ __all__ = [
     "MasterKeyAccess",
     "NoUpstreamLimit",
     "Principal",
+    "Priority",
     "SettleUsage",
     "UpstreamLease",
     "UpstreamLimiter",
@@ -49,12 +50,23 @@ def model_allowed(patterns: tuple[str, ...], model_id: str) -> bool:
     return any(p == model_id or fnmatch.fnmatchcase(model_id, p) for p in patterns)
 
 
+Priority = Literal["high", "normal", "low"]
+
+
 @dataclass(frozen=True, slots=True)
 class Principal:
     key_id: str | None  # None for the master key
     name: str
     is_master: bool = False
     models: tuple[str, ...] = ()
+    team_id: str | None = None  # the key's team, whose limits and budgets also apply
+    weight: float = 1.0  # share of the local engine against other tenants (the team's weight when in a team)
+    priority: Priority = "normal"  # class served ahead of (high) or behind (low) the fair share
+
+    @property
+    def tenant(self) -> str:
+        """Who the local engine and the upstream queues share among: the team, else the key ("master" for it)."""
+        return self.team_id or self.key_id or "master"
 
     def may_use(self, model_id: str) -> bool:
         return self.is_master or model_allowed(self.models, model_id)

@@ -15,6 +15,11 @@ wake-up list) build it from a `*_prefix` below, which carries the same tag.
     ug:{<id>}:usage:<YYYY-MM-DD>     hash    "<model>|requests|prompt_tokens|completion_tokens" for one UTC day
     ug:{<id>}:usage_days             zset    days with usage (member date, score day number)
     ug:{<id>}:usage_total            hash    lifetime per-model counters
+    ug:teams                         zset    team ids scored by creation sequence, for listing
+    ug:{team:<id>}:team              hash    the team record (same limit and counter fields as a key record)
+    ug:{team:<id>}:members           set     ids of the team's keys
+    ug:{team:<id>}:<rpm|tpm|tpm_sum|leases|holds|settled:<rid>|usage:<day>|usage_days|usage_total>
+                                             the team's own state, named as a key's under its tag
     ug:{up:<deployment>}:leases      zset    upstream in-flight leases: member lease id, score expiry (ms)
     ug:{up:<deployment>}:queue       list    FIFO of waiters "<lease id>|<deadline ms>"
     ug:{up:<deployment>}:max         string  the deployment's max_in_flight, for hand-off on release
@@ -40,6 +45,8 @@ __all__ = [
     "KEY_SEQUENCE",
     "MASTER_ID",
     "PREFIX",
+    "TEAM_INDEX",
+    "TEAM_SEQUENCE",
     "auth_attempts",
     "auth_attempts_via_peer",
     "health_probe",
@@ -56,6 +63,9 @@ __all__ = [
     "key_usage_days",
     "key_usage_total",
     "session",
+    "team_members",
+    "team_prefix",
+    "team_record",
     "upstream_leases",
     "upstream_max",
     "upstream_prefix",
@@ -66,6 +76,8 @@ __all__ = [
 PREFIX = "ug:"
 KEY_INDEX = PREFIX + "keys"
 KEY_SEQUENCE = PREFIX + "keys:seq"  # creation counter: the KEY_INDEX score
+TEAM_INDEX = PREFIX + "teams"
+TEAM_SEQUENCE = PREFIX + "teams:seq"
 EVENTS_CHANNEL = PREFIX + "events"
 MASTER_ID = "master"  # usage of the master key is recorded under this pseudo id
 
@@ -80,6 +92,19 @@ def key_hash_name(key_hash: str) -> str:
 
 def key_prefix(key_id: str) -> str:
     return f"{PREFIX}{{{key_id}}}:"
+
+
+def team_prefix(team_id: str) -> str:
+    """A team's state, named like a key's (`key_rpm_log(...)` etc. take a prefix id) under the tag `{team:<id>}`."""
+    return f"{PREFIX}{{team:{team_id}}}:"
+
+
+def team_record(team_id: str) -> str:
+    return team_prefix(team_id) + "team"
+
+
+def team_members(team_id: str) -> str:
+    return team_prefix(team_id) + "members"
 
 
 def key_record(key_id: str) -> str:
