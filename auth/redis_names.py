@@ -19,7 +19,8 @@ wake-up list) build it from a `*_prefix` below, which carries the same tag.
     ug:{team:<id>}:team              hash    the team record (same limit and counter fields as a key record)
     ug:{team:<id>}:members           set     ids of the team's keys
     ug:{team:<id>}:<rpm|tpm|tpm_sum|leases|holds|settled:<rid>|usage:<day>|usage_days|usage_total>
-                                             the team's own state, named as a key's under its tag
+                                             the team's own state, named as a key's under its tag: every
+                                             `key_*(state_id)` below takes `team_state_id(<id>)` = "team:<id>"
     ug:{up:<deployment>}:leases      zset    upstream in-flight leases: member lease id, score expiry (ms)
     ug:{up:<deployment>}:queue       list    FIFO of waiters "<lease id>|<deadline ms>"
     ug:{up:<deployment>}:max         string  the deployment's max_in_flight, for hand-off on release
@@ -30,10 +31,15 @@ wake-up list) build it from a `*_prefix` below, which carries the same tag.
     ug:auth:<client ip>              string  console logins and failed master-key checks from one client address in
                                              the current minute (expires after it)
     ug:auth_peer:<peer ip>           string  the same, counted per trusted proxy for the clients it forwards
-    ug:events                        pubsub  key-record changes: "<key id>" → drop cached copies (PUBLISH reaches
-                                             every node of a cluster, so any node may be subscribed to)
+    ug:{reqlog}:log                  stream  the request log: one entry per finished request (auth/request_log.py)
+    ug:{reqlog}:id:<request id>      string  → its entry id in the log (expires with the retention)
+    ug:events                        pubsub  record changes: "<key id>" → drop cached copies of that key, "<team id>"
+                                             → of every key of that team (PUBLISH reaches every node of a cluster,
+                                             so any node may be subscribed to)
 
-The global names (`ug:keys`, `ug:keys:seq`, `ug:keyhash:*`) are only ever used one at a time, never together with
+A key and its team live in different slots: no script touches both (docs/keys-and-limits.md, "Teams": the two
+admissions are pipelined together and compensated). The global names (`ug:keys`, `ug:keys:seq`, `ug:teams`,
+`ug:teams:seq`, `ug:keyhash:*`) are only ever used one at a time, never together with
 another key in one script or transaction, so they need no hash tag and live wherever their slot falls.
 """
 
@@ -45,6 +51,7 @@ __all__ = [
     "KEY_SEQUENCE",
     "MASTER_ID",
     "PREFIX",
+    "REQUEST_LOG",
     "TEAM_INDEX",
     "TEAM_SEQUENCE",
     "auth_attempts",
@@ -62,10 +69,13 @@ __all__ = [
     "key_usage_day",
     "key_usage_days",
     "key_usage_total",
+    "request_log_index",
+    "request_log_index_prefix",
     "session",
     "team_members",
     "team_prefix",
     "team_record",
+    "team_state_id",
     "upstream_leases",
     "upstream_max",
     "upstream_prefix",
@@ -97,6 +107,11 @@ def key_prefix(key_id: str) -> str:
 def team_prefix(team_id: str) -> str:
     """A team's state, named like a key's (`key_rpm_log(...)` etc. take a prefix id) under the tag `{team:<id>}`."""
     return f"{PREFIX}{{team:{team_id}}}:"
+
+
+def team_state_id(team_id: str) -> str:
+    """The id a team's own state is named under by the `key_*` functions: `key_rpm_log(team_state_id(t))`."""
+    return f"team:{team_id}"
 
 
 def team_record(team_id: str) -> str:
@@ -180,3 +195,15 @@ def upstream_max(deployment: str) -> str:
 
 def upstream_wake(deployment: str, lease_id: str) -> str:
     return upstream_prefix(deployment) + f"wake:{lease_id}"
+
+
+REQUEST_LOG = PREFIX + "{reqlog}:log"  # the request log's stream (auth/request_log.py)
+
+
+def request_log_index_prefix() -> str:
+    """`ug:{reqlog}:id:`: request id -> its entry id in REQUEST_LOG (same tag: the append script derives these)."""
+    return PREFIX + "{reqlog}:id:"
+
+
+def request_log_index(request_id: str) -> str:
+    return request_log_index_prefix() + request_id

@@ -1,0 +1,271 @@
+"""The request log: one record per finished request, kept in a Redis stream for a retention, read back by id or
+by filter, newest first.
+
+A record says who asked (key, team), what for (API family, route, model), who answered (deployment, each attempt
+and its status and duration, a fallback), how it ended (status, error code, who ended it), what it used (tokens,
+whether they were estimated, cost) and how long it took (time to first token, end to end). Never the prompt or the
+answer text.
+
+Writing is off the hot path: `RequestLog.add` puts a record in a bounded in-memory buffer, and a background task
+appends each batch with one script call (`auth/lua/append_request_log.lua`: XADD per record, an id index entry,
+and a trim to the retention and the length cap). A Redis outage keeps the buffer (up to its bound, then the oldest
+records are dropped and counted) and retries on the next flush.
+
+    ug:{reqlog}:log          stream  entries: "r" record JSON, "k" key id, "t" team id, "m" model
+    ug:{reqlog}:id:<rid>     string  the entry id of request <rid> (expires with the retention)
+
+Both share the hash tag `{reqlog}`, so one script call touches one Redis Cluster slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+from auth import redis_names
+from auth.redis_client import RedisClient
+from auth.scripts import LuaScript, StorageError, as_text, storage_errors
+
+__all__ = [
+    "AttemptRecord",
+    "EndedBy",
+    "RequestFilter",
+    "RequestLog",
+    "RequestLogPage",
+    "RequestRecord",
+]
+
+log = logging.getLogger("unigate.request_log")
+
+EndedBy = Literal["finished", "client_left", "timeout", "error"]
+_DAY_MS = 86_400_000
+_SCAN_BATCH = 200  # entries read per XREVRANGE while filtering a page
+_MAX_SCANNED = 20_000  # a filtered page reads at most this many entries, then returns its cursor to go on from
+_APPEND = LuaScript("append_request_log")
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptRecord:
+    """One try at one deployment: its HTTP status (0: no answer), duration and error code ("" on success)."""
+
+    deployment: str
+    status: int
+    duration_ms: float
+    code: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    time_ms: int  # when the request arrived (ms since the epoch)
+    request_id: str
+    key_id: str | None  # None: the master key
+    key_name: str
+    team_id: str | None
+    api: str  # "openai" | "anthropic" | "responses"
+    route: str  # the path, e.g. /v1/chat/completions
+    model: str  # as requested
+    deployment: str | None  # the one that answered (None: none did)
+    status: int  # the status the client got (499: the client left first)
+    code: str = ""  # the error envelope's code, "" on success
+    ended_by: EndedBy = "finished"
+    is_stream: bool = False
+    fallback: str | None = None  # the model that answered when a fallback did
+    attempts: tuple[AttemptRecord, ...] = ()
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    is_estimated: bool = False  # the token counts are the gateway's estimate (no usage from the backend)
+    cost_micros: int = 0
+    ttft_ms: float | None = None
+    duration_ms: float = 0.0
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> RequestRecord:
+        data = orjson.loads(raw)
+        data["attempts"] = tuple(AttemptRecord(**a) for a in data.get("attempts", ()))
+        return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFilter:
+    """What a listing keeps (every given field must match); times in ms since the epoch, `end_ms` exclusive."""
+
+    key_id: str | None = None
+    team_id: str | None = None
+    model: str | None = None
+    deployment: str | None = None
+    status: int | None = None
+    code: str | None = None
+    start_ms: int | None = None
+    end_ms: int | None = None
+
+    def matches(self, record: RequestRecord) -> bool:
+        return (
+            (self.key_id is None or record.key_id == self.key_id)
+            and (self.team_id is None or record.team_id == self.team_id)
+            and (self.model is None or record.model == self.model)
+            and (self.deployment is None or record.deployment == self.deployment)
+            and (self.status is None or record.status == self.status)
+            and (self.code is None or record.code == self.code)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLogPage:
+    records: list[RequestRecord]
+    next_cursor: str | None  # pass back to continue (older records); None: nothing older
+    num_dropped: int = 0  # records this instance could not write (buffer full during an outage), since start
+
+
+@dataclass
+class RequestLog:
+    """Writes records in batches off the hot path and reads them back; one per gateway instance."""
+
+    redis: RedisClient
+    retention_days: float = 7.0
+    max_len: int = 1_000_000
+    max_buffered: int = 10_000
+    flush_interval_s: float = 0.2
+    clock: Callable[[], float] = time.time  # seconds since the epoch (tests move it)
+    num_dropped: int = 0
+    _buffer: deque[RequestRecord] = field(default_factory=deque)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _task: asyncio.Task[None] | None = None
+    _is_down: bool = False
+
+    # -- writing ---------------------------------------------------------------------------------------------------
+
+    def add(self, record: RequestRecord) -> None:
+        """Queue a record (never waits, never raises); past the buffer's bound the oldest record is dropped."""
+        if len(self._buffer) >= self.max_buffered:
+            self._buffer.popleft()
+            self.num_dropped += 1
+        self._buffer.append(record)
+        if len(self._buffer) >= _SCAN_BATCH:
+            self._wake.set()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="request-log")
+
+    async def aclose(self) -> None:
+        """Stop the background task and write what is buffered (best effort)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        with contextlib.suppress(StorageError):
+            await self.flush()
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.flush_interval_s)
+            self._wake.clear()
+            try:
+                await self.flush()
+            except StorageError as exc:
+                if not self._is_down:
+                    log.warning(
+                        "request log: cannot write to Redis (%s); keeping up to %d records", exc, self.max_buffered
+                    )
+                self._is_down = True
+            else:
+                self._is_down = False
+
+    async def flush(self) -> int:
+        """Write every buffered record now; returns how many were written."""
+        written = 0
+        while self._buffer:
+            batch = [self._buffer[i] for i in range(min(len(self._buffer), _SCAN_BATCH))]
+            await self._append(batch)
+            for _ in batch:
+                self._buffer.popleft()
+            written += len(batch)
+        return written
+
+    async def _append(self, batch: Iterable[RequestRecord]) -> None:
+        retention_ms = int(self.retention_days * _DAY_MS)
+        args: list[str | int | bytes] = [
+            int(self.clock() * 1000) - retention_ms,
+            self.max_len,
+            retention_ms,
+            redis_names.request_log_index_prefix(),
+        ]
+        for record in batch:
+            args += [record.request_id, record.to_json(), record.key_id or "", record.team_id or "", record.model]
+        await _APPEND(self.redis, [redis_names.REQUEST_LOG], args)
+
+    # -- reading ---------------------------------------------------------------------------------------------------
+
+    async def get(self, request_id: str) -> RequestRecord | None:
+        async with storage_errors():
+            entry_id = await self.redis.get(redis_names.request_log_index(request_id))
+            if entry_id is None:
+                return None
+            entry_id = as_text(entry_id)
+            entries = await self.redis.xrange(redis_names.REQUEST_LOG, entry_id, entry_id, count=1)
+        return _record_of(entries[0]) if entries else None
+
+    async def page(self, where: RequestFilter, *, limit: int = 50, cursor: str | None = None) -> RequestLogPage:
+        """Newest first. A page holds up to `limit` matching records; `next_cursor` continues with older ones."""
+        high = f"({cursor}" if cursor else (f"({where.end_ms}-0" if where.end_ms is not None else "+")
+        low = f"{where.start_ms}-0" if where.start_ms is not None else "-"
+        found: list[RequestRecord] = []
+        num_scanned = 0
+        async with storage_errors():
+            while len(found) < limit and num_scanned < _MAX_SCANNED:
+                entries = await self.redis.xrevrange(redis_names.REQUEST_LOG, high, low, count=_SCAN_BATCH)
+                if not entries:
+                    return RequestLogPage(found, None, self.num_dropped)
+                for entry in entries:
+                    num_scanned += 1
+                    high = f"({as_text(entry[0])}"
+                    if _prefilter(where, entry[1]) and where.matches(record := _record_of(entry)):
+                        found.append(record)
+                        if len(found) == limit:
+                            break
+        return RequestLogPage(found, high[1:], self.num_dropped)
+
+    async def after(self, entry_id: str | None, *, limit: int = 100) -> tuple[list[RequestRecord], str]:
+        """Records newer than `entry_id` (oldest first) and the id to pass next time: the live tail. With no id,
+        the position is "now" (nothing older is returned)."""
+        async with storage_errors():
+            if entry_id is None:
+                newest = await self.redis.xrevrange(redis_names.REQUEST_LOG, "+", "-", count=1)
+                return [], as_text(newest[0][0]) if newest else "0-0"
+            entries = await self.redis.xrange(redis_names.REQUEST_LOG, f"({entry_id}", "+", count=limit)
+        if not entries:
+            return [], entry_id
+        return [_record_of(e) for e in entries], as_text(entries[-1][0])
+
+
+def _field(fields: dict[Any, Any], name: str) -> str:
+    value = fields.get(name, fields.get(name.encode(), b""))
+    return as_text(value)
+
+
+def _prefilter(where: RequestFilter, fields: Any) -> bool:
+    """The stored side fields decide most filters without parsing the record."""
+    return (
+        (where.key_id is None or _field(fields, "k") == where.key_id)
+        and (where.team_id is None or _field(fields, "t") == where.team_id)
+        and (where.model is None or _field(fields, "m") == where.model)
+    )
+
+
+def _record_of(entry: Any) -> RequestRecord:
+    fields = entry[1]
+    return RequestRecord.from_json(fields.get("r", fields.get(b"r", b"{}")))

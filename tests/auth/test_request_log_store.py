@@ -1,0 +1,163 @@
+"""The request log's store on a real Redis (every topology the session runs): records written in batches off the
+hot path read back by id and by filter, newest first with a cursor, the live tail, and the retention and length
+cap enforced as the clock moves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.asyncio import Redis
+
+from auth import redis_names
+from auth.request_log import AttemptRecord, RequestFilter, RequestLog, RequestRecord
+
+DAY_S = 86_400.0
+
+
+def record(n: int, **fields: Any) -> RequestRecord:
+    base: dict[str, Any] = {
+        "time_ms": 1_700_000_000_000 + n,
+        "request_id": f"req-{n}",
+        "key_id": f"key_{n % 3:016x}",
+        "key_name": f"k{n % 3}",
+        "team_id": "team_a" if n % 2 else None,
+        "api": "openai",
+        "route": "/v1/chat/completions",
+        "model": "m-even" if n % 2 == 0 else "m-odd",
+        "deployment": "d1",
+        "status": 200,
+    }
+    base.update(fields)
+    return RequestRecord(**base)
+
+
+class Clock:
+    def __init__(self) -> None:
+        import time
+
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_record_reads_back_whole_by_its_request_id(redis: Redis) -> None:
+    log = RequestLog(redis)
+    rec = record(
+        1,
+        attempts=(AttemptRecord("d0", 503, 12.5, "upstream_unavailable"), AttemptRecord("d1", 200, 80.0)),
+        fallback="m-backup",
+        prompt_tokens=10,
+        completion_tokens=20,
+        cached_tokens=4,
+        is_estimated=True,
+        cost_micros=1234,
+        ttft_ms=33.3,
+        duration_ms=120.0,
+        ended_by="client_left",
+        is_stream=True,
+        status=499,
+        code="client_disconnected",
+    )
+    log.add(rec)
+    assert await log.get("req-1") is None  # buffered: nothing written before the flush
+    assert await log.flush() == 1
+    assert await log.get("req-1") == rec
+    assert await log.get("req-unknown") is None
+
+
+async def test_listing_is_newest_first_filtered_and_paged_without_gaps(redis: Redis) -> None:
+    log = RequestLog(redis)
+    for n in range(60):
+        log.add(record(n, status=200 if n % 5 else 429, code="" if n % 5 else "rate_limit_exceeded"))
+    await log.flush()
+
+    page = await log.page(RequestFilter(), limit=25)
+    assert [r.request_id for r in page.records] == [f"req-{n}" for n in range(59, 34, -1)]
+    seen: list[str] = []
+    cursor = None
+    while True:
+        page = await log.page(RequestFilter(model="m-odd"), limit=7, cursor=cursor)
+        seen += [r.request_id for r in page.records]
+        if page.next_cursor is None:
+            break
+        cursor = page.next_cursor
+    assert seen == [f"req-{n}" for n in range(59, -1, -1) if n % 2]
+
+    limited = await log.page(RequestFilter(code="rate_limit_exceeded", key_id="key_0000000000000000"), limit=100)
+    assert [r.request_id for r in limited.records] == [f"req-{n}" for n in range(59, -1, -1) if n % 15 == 0]
+    assert all(r.status == 429 for r in limited.records)
+    team = await log.page(RequestFilter(team_id="team_a", deployment="d1", status=200), limit=100)
+    assert {r.request_id for r in team.records} == {f"req-{n}" for n in range(60) if n % 2 and n % 5}
+
+
+async def test_time_range_uses_the_entries_own_times(redis: Redis) -> None:
+    log = RequestLog(redis)
+    log.add(record(1))
+    await log.flush()
+    raw = await redis.xrange(redis_names.REQUEST_LOG, "-", "+")
+    entry_ms = int(raw[0][0].decode().split("-")[0])
+    assert [r.request_id for r in (await log.page(RequestFilter(start_ms=entry_ms, end_ms=entry_ms + 1))).records] == [
+        "req-1"
+    ]
+    assert (await log.page(RequestFilter(start_ms=entry_ms + 1))).records == []
+    assert (await log.page(RequestFilter(end_ms=entry_ms))).records == []
+
+
+async def test_the_tail_returns_only_what_came_after(redis: Redis) -> None:
+    log = RequestLog(redis)
+    log.add(record(1))
+    await log.flush()
+    records, position = await log.after(None)
+    assert records == []
+    log.add(record(2))
+    log.add(record(3))
+    await log.flush()
+    records, position = await log.after(position)
+    assert [r.request_id for r in records] == ["req-2", "req-3"]
+    assert (await log.after(position))[0] == []
+
+
+async def test_retention_and_length_cap_are_enforced(redis: Redis) -> None:
+    clock = Clock()
+    log = RequestLog(redis, retention_days=7, max_len=50, clock=clock)
+    for n in range(80):
+        log.add(record(n))
+    await log.flush()
+    assert await redis.xlen(redis_names.REQUEST_LOG) == 50  # the cap: the oldest 30 went
+    assert await log.get("req-29") is None  # its index entry outlives it, but the entry itself is gone
+    assert [r.request_id for r in (await log.page(RequestFilter(), limit=100)).records][-1] == "req-30"
+
+    clock.now += 8 * DAY_S  # past the retention: everything written before is trimmed at the next write
+    log.add(record(100))
+    await log.flush()
+    assert [r.request_id for r in (await log.page(RequestFilter(), limit=100)).records] == ["req-100"]
+    index_ttl_ms = await redis.pttl(redis_names.request_log_index("req-100"))
+    assert 6 * DAY_S * 1000 < index_ttl_ms <= 7 * DAY_S * 1000
+
+
+async def test_a_full_buffer_drops_the_oldest_and_counts_them(redis: Redis) -> None:
+    log = RequestLog(redis, max_buffered=5)
+    for n in range(8):
+        log.add(record(n))
+    assert log.num_dropped == 3
+    await log.flush()
+    page = await log.page(RequestFilter(), limit=100)
+    assert [r.request_id for r in page.records] == [f"req-{n}" for n in range(7, 2, -1)]
+    assert page.num_dropped == 3
+
+
+async def test_the_background_task_writes_without_an_explicit_flush(redis: Redis) -> None:
+    import asyncio
+
+    log = RequestLog(redis, flush_interval_s=0.01)
+    log.start()
+    try:
+        log.add(record(1))
+        for _ in range(500):
+            if await log.get("req-1") is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert await log.get("req-1") == record(1)
+    finally:
+        await log.aclose()
