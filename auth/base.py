@@ -152,8 +152,19 @@ class AccessControl(Protocol):
 class UpstreamLimiter(Protocol):
     """Caps the requests in flight to each deployment with `max_in_flight`, across every gateway instance."""
 
-    async def acquire_upstream(self, deployment: str, *, max_in_flight: int, timeout_s: float) -> UpstreamLease:
-        """Wait (fairly) for one of a deployment's cluster-wide `max_in_flight` slots; 503 `upstream_at_capacity`."""
+    async def acquire_upstream(
+        self,
+        deployment: str,
+        *,
+        max_in_flight: int,
+        timeout_s: float,
+        tenant: str = "",
+        weight: float = 1.0,
+        priority: Priority = "normal",
+    ) -> UpstreamLease:
+        """Wait for one of a deployment's cluster-wide `max_in_flight` slots, served across tenants in fair order
+        (`priority` class first, then the fewest hand-offs per `weight`; FIFO within a tenant); 503
+        `upstream_at_capacity`."""
         ...
 
     async def release_upstream(self, lease: UpstreamLease) -> None:
@@ -262,7 +273,16 @@ class NoUpstreamLimit:
     """The `UpstreamLimiter` without shared state (master-key-only gateways): every lease is granted at once and
     `max_in_flight` is not enforced."""
 
-    async def acquire_upstream(self, deployment: str, *, max_in_flight: int, timeout_s: float) -> UpstreamLease:
+    async def acquire_upstream(
+        self,
+        deployment: str,
+        *,
+        max_in_flight: int,
+        timeout_s: float,
+        tenant: str = "",
+        weight: float = 1.0,
+        priority: Priority = "normal",
+    ) -> UpstreamLease:
         return UpstreamLease(deployment=deployment, lease_id=None)
 
     async def release_upstream(self, lease: UpstreamLease) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from redis.exceptions import MaxConnectionsError
 
 from auth import redis_names, scripts
-from auth.base import UpstreamLease
+from auth.base import Priority, UpstreamLease
 from auth.cluster_pipe import ClusterCommandPipe
 from auth.keys import new_request_id
 from auth.redis_client import RedisClient, blocking_client, disconnect_idle
@@ -75,7 +75,16 @@ class RedisUpstreamLimiter:
         self._lease_ttl_ms = lease_ttl_ms
         self._background: set[asyncio.Task[None]] = set()
 
-    async def acquire_upstream(self, deployment: str, *, max_in_flight: int, timeout_s: float) -> UpstreamLease:
+    async def acquire_upstream(
+        self,
+        deployment: str,
+        *,
+        max_in_flight: int,
+        timeout_s: float,
+        tenant: str = "",
+        weight: float = 1.0,
+        priority: Priority = "normal",
+    ) -> UpstreamLease:
         """Wait in a cluster-wide FIFO for one of `max_in_flight` slots: woken by the releaser through a Redis list
         (BLPOP), re-checking every `_POLL_S` in case a wake-up was lost. Redis down → no cap (logged, counted)."""
         if max_in_flight <= 0:

@@ -151,8 +151,14 @@ class Attempt:
         if config.max_in_flight is None:
             return None
         timeout_s = config.pool_timeout or self._context.settings.limits.pool_timeout_s
+        principal = self._context.principal
         return await self._context.limiter.acquire_upstream(
-            self.deployment.name, max_in_flight=config.max_in_flight, timeout_s=timeout_s
+            self.deployment.name,
+            max_in_flight=config.max_in_flight,
+            timeout_s=timeout_s,
+            tenant=principal.tenant,
+            weight=principal.weight,
+            priority=principal.priority,
         )
 
     def _note_clamp(self, data: object) -> None:

@@ -9,7 +9,16 @@ import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
-from auth.base import NO_COST, Admission, BudgetCost, MasterKeyAccess, Principal, SettleUsage, UpstreamLease
+from auth.base import (
+    NO_COST,
+    Admission,
+    BudgetCost,
+    MasterKeyAccess,
+    Principal,
+    Priority,
+    SettleUsage,
+    UpstreamLease,
+)
 from gateway.errors import AuthError, PermissionDeniedError, UnavailableError
 
 __all__ = ["RecordingAccess", "Settled"]
@@ -71,7 +80,16 @@ class RecordingAccess(MasterKeyAccess):
         )
         return super().begin_settle(admission, usage)
 
-    async def acquire_upstream(self, deployment: str, *, max_in_flight: int, timeout_s: float) -> UpstreamLease:
+    async def acquire_upstream(
+        self,
+        deployment: str,
+        *,
+        max_in_flight: int,
+        timeout_s: float,
+        tenant: str = "",
+        weight: float = 1.0,
+        priority: Priority = "normal",
+    ) -> UpstreamLease:
         self.acquired.append(deployment)
         if self.slot_wait_s:
             await asyncio.sleep(min(self.slot_wait_s, timeout_s))
