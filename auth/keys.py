@@ -15,11 +15,21 @@ import secrets
 
 from auth.base import KEY_PREFIX
 
-__all__ = ["display_prefix", "generate_key", "hash_key", "is_key_id", "new_key_id", "new_request_id"]
+__all__ = [
+    "display_prefix",
+    "generate_key",
+    "hash_key",
+    "is_key_id",
+    "is_team_id",
+    "new_key_id",
+    "new_request_id",
+    "new_team_id",
+]
 
 _NUM_SECRET_BYTES = 32  # token_urlsafe(32) → 43 characters, 256 bits
 _NUM_DISPLAY_CHARS = 4
 _KEY_ID_RE = re.compile(r"^key_[0-9a-f]{16}$")
+_TEAM_ID_RE = re.compile(r"^team_[0-9a-f]{16}$")
 
 
 def generate_key() -> str:
@@ -44,6 +54,15 @@ def new_key_id() -> str:
 
 def is_key_id(value: str) -> bool:
     return _KEY_ID_RE.match(value) is not None
+
+
+def new_team_id() -> str:
+    """The stable public id of a team."""
+    return "team_" + secrets.token_hex(8)
+
+
+def is_team_id(value: str) -> bool:
+    return _TEAM_ID_RE.match(value) is not None
 
 
 class _RequestIds:

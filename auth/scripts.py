@@ -70,6 +70,7 @@ __all__ = [
     "settled_flags",
     "storage_errors",
     "update_key",
+    "update_team",
 ]
 
 
@@ -480,3 +481,11 @@ async def update_key(
     """Set `fields` on an existing record and bump its version; 0 when there is no such record."""
     args = [redis_names.key_prefix(key_id), *(item for pair in fields.items() for item in pair)]
     return int(await scripts.update(redis, (redis_names.key_record(key_id),), args))
+
+
+async def update_team(
+    redis: Target, *, team_id: str, fields: dict[str, str], scripts: ScriptSet = DEFAULT_SCRIPTS
+) -> int:
+    """`update_key` on a team's record (the same period recount from the team's own usage day hashes)."""
+    args = [redis_names.team_prefix(team_id), *(item for pair in fields.items() for item in pair)]
+    return int(await scripts.update(redis, (redis_names.team_record(team_id),), args))

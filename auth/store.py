@@ -15,12 +15,23 @@ from typing import Any, Literal
 import orjson
 
 from auth import redis_names, scripts
-from auth.keys import display_prefix, generate_key, hash_key, is_key_id, new_key_id
+from auth.keys import display_prefix, generate_key, hash_key, is_key_id, is_team_id, new_key_id
 from auth.redis_client import RedisClient, is_cluster
 from auth.scripts import DEFAULT_SCRIPTS, ScriptSet, as_text, storage_errors
 from gateway.errors import InvalidRequestError, NotFoundError
 
-__all__ = ["BudgetPeriod", "KeyPage", "KeyRecord", "KeyStore", "UsageRow", "UsageTotals", "period_key"]
+__all__ = [
+    "BudgetPeriod",
+    "KeyPage",
+    "KeyRecord",
+    "KeyStore",
+    "UsageRow",
+    "UsageTotals",
+    "encode_fields",
+    "period_key",
+    "rows_from_hash",
+    "team_not_found",
+]
 
 # Commands per pipelined round trip in `KeyStore.usage_many` (replies of a few hundred bytes each).
 _PIPELINE_BATCH = 1000
@@ -36,6 +47,21 @@ def period_key(budget_period: str, now_ms: int) -> str:
     if budget_period == "month":
         return day.strftime("m:%Y-%m")
     return ""
+
+
+def _day_number(date: str) -> int:
+    """A UTC day "YYYY-MM-DD" as days since the epoch (the score of a usage_days entry); 400 when unreadable."""
+    try:
+        return (dt.date.fromisoformat(date) - dt.date(1970, 1, 1)).days
+    except ValueError:
+        raise InvalidRequestError(f"Invalid date '{date}': expected YYYY-MM-DD.", param="start") from None
+
+
+def team_not_found(team_id: str) -> NotFoundError:
+    return NotFoundError(
+        f"No team with id '{team_id}'. List teams with `GET /admin/teams` (or `unigate teams list`).",
+        code="team_not_found",
+    )
 
 
 def _optional_int(value: str | None) -> int | None:
@@ -72,6 +98,9 @@ class KeyRecord:
     completion_tokens: int
     metadata: dict[str, Any]
     version: int
+    team_id: str | None = None  # the team whose limits and budgets also apply (None: no team)
+    weight: float = 1.0  # the key's share of the local engine when it has no team
+    priority: str = "normal"  # "high" | "normal" | "low": the key's class when it has no team
 
     @classmethod
     def from_hash(cls, raw: Mapping[str, str]) -> KeyRecord:
@@ -104,6 +133,9 @@ class KeyRecord:
             completion_tokens=int(raw.get("completion_tokens") or 0),
             metadata=orjson.loads(raw.get("metadata") or "{}"),
             version=int(raw.get("version") or 0),
+            team_id=raw.get("team_id") or None,
+            weight=float(raw.get("weight") or 1.0),
+            priority=raw.get("priority") or "normal",
         )
 
     def budget_spent(self, now_ms: int) -> int:
@@ -168,7 +200,7 @@ def encode_fields(values: Mapping[str, Any]) -> dict[str, str]:
     return encoded
 
 
-def _rows_from_hash(date: str, raw: Mapping[str, str]) -> list[UsageRow]:
+def rows_from_hash(date: str, raw: Mapping[str, str]) -> list[UsageRow]:
     per_model: dict[str, dict[str, int]] = {}
     for name, value in raw.items():
         model, _, counter = name.rpartition("|")
@@ -212,7 +244,7 @@ class KeyStore:
             seconds, micros = await self.redis.time()
         return int(seconds) * 1000 + int(micros) // 1000
 
-    async def _hgetall(self, name: str) -> dict[str, str]:
+    async def hgetall(self, name: str) -> dict[str, str]:
         async with storage_errors():
             raw = await self.redis.hgetall(name)
         return {as_text(k): as_text(v) for k, v in raw.items()}
@@ -221,12 +253,15 @@ class KeyStore:
         async with storage_errors():
             await self.redis.publish(redis_names.EVENTS_CHANNEL, key_id)
 
-    async def create(self, values: Mapping[str, Any]) -> tuple[KeyRecord, str]:
-        """A new key with the given (validated) fields; returns the record and the secret, shown this once."""
+    async def create(self, values: Mapping[str, Any], *, team_id: str | None = None) -> tuple[KeyRecord, str]:
+        """A new key with the given (validated) fields, in team `team_id` (or `values["team_id"]`) when given (404
+        `team_not_found` when there is no such team); returns the record and the secret, shown this once."""
+        fields = dict(values)
+        team_id = fields.pop("team_id", None) or team_id
         secret = generate_key()
         key_id = new_key_id()
         now = await self.now_ms()
-        record = encode_fields(values)
+        record = encode_fields(fields)
         record.update(
             id=key_id,
             key_hash=hash_key(secret),
@@ -235,11 +270,35 @@ class KeyStore:
             revoked="0",
             version="1",
         )
+        if team_id is not None:
+            await self._join_team(key_id, team_id)  # before the record names it: see `_join_team`
+            record["team_id"] = team_id
         async with storage_errors():
             # Listing order = creation order: a counter, since several keys can share one millisecond.
             position = await self.redis.incr(redis_names.KEY_SEQUENCE)
             await self._write_new(key_id, record, position)
         return KeyRecord.from_hash(record), secret
+
+    async def _join_team(self, key_id: str, team_id: str) -> None:
+        """Add the key to the team's member set, BEFORE its record names the team (and leave the old team's set
+        only after: `_leave_team`). The record and the set live in different slots, so no write covers both; in
+        this order a failure midway leaves the set naming a key that is not (yet, or any more) in the team, never a
+        key in a team whose set lacks it. A stale member is harmless (readers check each member's record and drop
+        it); a missing one would let a team with keys be deleted under them."""
+        if not is_team_id(team_id):
+            raise team_not_found(team_id)
+        async with storage_errors():
+            if not await self.redis.exists(redis_names.team_record(team_id)):
+                raise team_not_found(team_id)
+            await self.redis.sadd(redis_names.team_members(team_id), key_id)
+
+    async def _leave_team(self, key_id: str, team_id: str) -> None:
+        """Drop the key from a team's set once its record no longer names that team (re-read, so that a concurrent
+        move back into it keeps its membership)."""
+        if (await self.get(key_id)).team_id == team_id:
+            return
+        async with storage_errors():
+            await self.redis.srem(redis_names.team_members(team_id), key_id)
 
     async def _write_new(self, key_id: str, record: dict[str, str], position: int) -> None:
         """The record, its listing entry and its hash → id lookup: one MULTI on a single server. In a cluster the
@@ -258,7 +317,7 @@ class KeyStore:
             await pipe.execute()
 
     async def get(self, key_id: str) -> KeyRecord:
-        raw = await self._hgetall(redis_names.key_record(key_id)) if is_key_id(key_id) else {}
+        raw = await self.hgetall(redis_names.key_record(key_id)) if is_key_id(key_id) else {}
         if "key_hash" not in raw:
             raise NotFoundError(
                 f"No key with id '{key_id}'. List keys with `GET /admin/keys` (or `unigate keys list`).",
@@ -277,7 +336,7 @@ class KeyStore:
         key_id = await self.find_id(key_hash)
         if key_id is None:
             return None
-        raw = await self._hgetall(redis_names.key_record(key_id))
+        raw = await self.hgetall(redis_names.key_record(key_id))
         return KeyRecord.from_hash(raw) if raw.get("key_hash") == key_hash else None
 
     async def list_keys(self, *, limit: int, after: str | None = None) -> KeyPage:
@@ -301,12 +360,20 @@ class KeyStore:
         return KeyPage(records=records, has_more=len(ids) > limit)
 
     async def update(self, key_id: str, values: Mapping[str, Any]) -> KeyRecord:
-        """Change fields (None clears a limit or the expiry); the new version reaches every cache at once."""
+        """Change fields (None clears a limit or the expiry; `team_id` moves the key to another team, None takes it
+        out of its team: its own usage history stays with it); the new version reaches every cache at once."""
+        old_team: str | None = None
+        if "team_id" in values:
+            old_team = (await self.get(key_id)).team_id
+            if values["team_id"] is not None and values["team_id"] != old_team:
+                await self._join_team(key_id, values["team_id"])
         if not is_key_id(key_id) or not await scripts.update_key(
             self.redis, key_id=key_id, fields=encode_fields(values), scripts=self.scripts
         ):
             await self.get(key_id)  # raises key_not_found
         await self._announce(key_id)
+        if old_team is not None and values["team_id"] != old_team:
+            await self._leave_team(key_id, old_team)
         return await self.get(key_id)
 
     async def revoke(self, key_id: str) -> KeyRecord:
@@ -339,15 +406,23 @@ class KeyStore:
         may also be `redis_names.MASTER_ID` (the master key's own usage)."""
         if key_id != redis_names.MASTER_ID:
             await self.get(key_id)
-        low: float | str = "-inf"
+        return await self.usage_of(key_id, num_days=num_days)
+
+    async def usage_of(
+        self, state_id: str, *, num_days: int | None = None, start: str | None = None, end: str | None = None
+    ) -> list[UsageRow]:
+        """The usage recorded under a state id (a key's id, "master", or "team:<team id>"), without checking that
+        its owner exists: the last `num_days` days, or the UTC days `start`..`end` (YYYY-MM-DD, both included)."""
+        low: float | str = "-inf" if start is None else _day_number(start)
+        high: float | str = "+inf" if end is None else _day_number(end)
         if num_days is not None:
             low = (await self.now_ms()) // 86_400_000 - num_days + 1
         async with storage_errors():
-            days = await self.redis.zrangebyscore(redis_names.key_usage_days(key_id), low, "+inf")
+            days = await self.redis.zrangebyscore(redis_names.key_usage_days(state_id), low, high)
         rows: list[UsageRow] = []
         for day in days:
             date = as_text(day)
-            rows += _rows_from_hash(date, await self._hgetall(redis_names.key_usage_day(key_id, date)))
+            rows += rows_from_hash(date, await self.hgetall(redis_names.key_usage_day(state_id, date)))
         return rows
 
     async def usage_many(self, key_ids: Sequence[str], *, num_days: int | None = None) -> dict[str, list[UsageRow]]:
@@ -364,7 +439,7 @@ class KeyStore:
         hashes = await self._pipelined([("hgetall", redis_names.key_usage_day(key_id, day)) for key_id, day in wanted])
         rows: dict[str, list[UsageRow]] = {key_id: [] for key_id in key_ids}
         for (key_id, day), raw in zip(wanted, hashes, strict=True):
-            rows[key_id] += _rows_from_hash(day, {as_text(k): as_text(v) for k, v in raw.items()})
+            rows[key_id] += rows_from_hash(day, {as_text(k): as_text(v) for k, v in raw.items()})
         return rows
 
     async def _pipelined(self, commands: list[tuple[Any, ...]]) -> list[Any]:
@@ -382,22 +457,30 @@ class KeyStore:
         async with storage_errors():
             ids = [as_text(raw) for raw in await self.redis.zrange(redis_names.KEY_INDEX, 0, -1)]
         now = await self.now_ms()
-        low: float | str = "-inf" if num_days is None else now // 86_400_000 - num_days + 1
         totals = UsageTotals()
-        per_model: dict[str, list[int]] = {}
-        per_day: dict[str, list[int]] = {}
-        for key_id in [*ids, redis_names.MASTER_ID]:
-            raw = await self._hgetall(redis_names.key_record(key_id))
-            if key_id != redis_names.MASTER_ID and "key_hash" in raw:
+        for key_id in ids:
+            raw = await self.hgetall(redis_names.key_record(key_id))
+            if "key_hash" in raw:
                 record = KeyRecord.from_hash(raw)
                 totals.num_keys += 1
                 totals.num_active_keys += int(not record.is_revoked and not record.is_expired(now))
-            for row in _rows_from_hash("", await self._hgetall(redis_names.key_usage_total(key_id))):
+        return await self.sum_usage([*ids, redis_names.MASTER_ID], totals, now_ms=now, num_days=num_days)
+
+    async def sum_usage(
+        self, state_ids: Sequence[str], totals: UsageTotals, *, now_ms: int, num_days: int | None = None
+    ) -> UsageTotals:
+        """Add the lifetime usage per model and the usage per UTC day (the last `num_days` days when given) of
+        every state id (a key's id, "master", "team:<team id>") into `totals`."""
+        low: float | str = "-inf" if num_days is None else now_ms // 86_400_000 - num_days + 1
+        per_model: dict[str, list[int]] = {}
+        per_day: dict[str, list[int]] = {}
+        for state_id in state_ids:
+            for row in rows_from_hash("", await self.hgetall(redis_names.key_usage_total(state_id))):
                 _add(per_model, row.model, row)
             async with storage_errors():
-                days = await self.redis.zrangebyscore(redis_names.key_usage_days(key_id), low, "+inf")
+                days = await self.redis.zrangebyscore(redis_names.key_usage_days(state_id), low, "+inf")
             for day in map(as_text, days):
-                for row in _rows_from_hash(day, await self._hgetall(redis_names.key_usage_day(key_id, day))):
+                for row in rows_from_hash(day, await self.hgetall(redis_names.key_usage_day(state_id, day))):
                     _add(per_day, day, row)
         for model, counters in sorted(per_model.items()):
             row = UsageRow("", model, *counters)
