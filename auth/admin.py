@@ -14,14 +14,20 @@ import orjson
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from auth.store import KeyRecord, UsageRow, UsageTotals
+from auth.teams import TeamRecord
 from gateway.errors import InvalidRequestError
 
 __all__ = [
     "KeyCreateBody",
     "KeyUpdateBody",
+    "TeamCreateBody",
+    "TeamUpdateBody",
     "parse_body",
     "record_json",
     "rfc3339",
+    "team_json",
+    "team_totals_json",
+    "team_usage_json",
     "totals_json",
     "usage_json",
 ]
@@ -29,6 +35,9 @@ __all__ = [
 _MAX_MODELS = 256
 _MAX_BUDGET_USD = 1_000_000_000  # keeps micro-units far inside a Lua double's exact integers
 _MAX_LIMIT = 2**53  # limits and token budgets: exact in a Lua double and in JSON readers (JavaScript's safe range)
+_MAX_WEIGHT = 1_000_000.0  # a tenant's share of the local engine, relative to others (default 1)
+_TEAM_ID = r"^team_[0-9a-f]{16}$"
+Priority = Literal["high", "normal", "low"]
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
@@ -68,6 +77,9 @@ class KeyCreateBody(BaseModel):
     budget_period: Literal["total", "day", "month"] = "total"
     expires_at: AwareDatetime | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    team_id: str | None = Field(default=None, pattern=_TEAM_ID)
+    weight: float = Field(default=1.0, gt=0, le=_MAX_WEIGHT, allow_inf_nan=False)
+    priority: Priority = "normal"
 
     _check_models = field_validator("models")(_check_patterns)
     _check_name = field_validator("name")(_check_name)
@@ -91,16 +103,74 @@ class KeyUpdateBody(BaseModel):
     budget_period: Literal["total", "day", "month"] | None = None
     expires_at: AwareDatetime | None = None
     metadata: dict[str, Any] | None = None
+    team_id: str | None = Field(default=None, pattern=_TEAM_ID)  # moves the key; null takes it out of its team
+    weight: float | None = Field(default=None, gt=0, le=_MAX_WEIGHT, allow_inf_nan=False)
+    priority: Priority | None = None
 
     _check_models = field_validator("models")(lambda models: None if models is None else _check_patterns(models))
     _check_name = field_validator("name")(_check_name)
 
     def record_fields(self) -> dict[str, Any]:
-        changes = self.model_dump(include=self.model_fields_set)
-        for name in ("name", "models", "budget_period", "metadata"):
-            if name in changes and changes[name] is None:
-                raise InvalidRequestError(f"'{name}' cannot be null; send a value or leave it out.", param=name)
-        return _to_record_fields(changes)
+        return _to_record_fields(_changes(self, ("name", "models", "budget_period", "metadata", "weight", "priority")))
+
+
+class TeamCreateBody(BaseModel):
+    """`POST /admin/teams`: a name, and the same limits and budgets as a key's (absent = unlimited), plus the
+    team's share of the local engine (`weight`, `priority`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200)
+    models: list[str] = Field(default_factory=list, max_length=_MAX_MODELS)
+    rpm: int | None = Field(default=None, ge=0, le=_MAX_LIMIT)
+    tpm: int | None = Field(default=None, ge=0, le=_MAX_LIMIT)
+    max_concurrent: int | None = Field(default=None, ge=1, le=_MAX_LIMIT)
+    token_budget: int | None = Field(default=None, ge=0, le=_MAX_LIMIT)
+    budget_usd: Decimal | None = Field(default=None, ge=0, le=_MAX_BUDGET_USD, decimal_places=6)
+    budget_period: Literal["total", "day", "month"] = "total"
+    weight: float = Field(default=1.0, gt=0, le=_MAX_WEIGHT, allow_inf_nan=False)
+    priority: Priority = "normal"
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    _check_models = field_validator("models")(_check_patterns)
+    _check_name = field_validator("name")(_check_name)
+
+    def record_fields(self) -> dict[str, Any]:
+        """Keyword arguments of `TeamStore.create`."""
+        return _to_record_fields(self.model_dump())
+
+
+class TeamUpdateBody(BaseModel):
+    """`PATCH /admin/teams/{id}`: only the fields sent change; `null` removes a limit or the budget."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(default=None, min_length=1, max_length=200)
+    models: list[str] | None = Field(default=None, max_length=_MAX_MODELS)
+    rpm: int | None = Field(default=None, ge=0, le=_MAX_LIMIT)
+    tpm: int | None = Field(default=None, ge=0, le=_MAX_LIMIT)
+    max_concurrent: int | None = Field(default=None, ge=1, le=_MAX_LIMIT)
+    token_budget: int | None = Field(default=None, ge=0, le=_MAX_LIMIT)
+    budget_usd: Decimal | None = Field(default=None, ge=0, le=_MAX_BUDGET_USD, decimal_places=6)
+    budget_period: Literal["total", "day", "month"] | None = None
+    weight: float | None = Field(default=None, gt=0, le=_MAX_WEIGHT, allow_inf_nan=False)
+    priority: Priority | None = None
+    metadata: dict[str, Any] | None = None
+
+    _check_models = field_validator("models")(lambda models: None if models is None else _check_patterns(models))
+    _check_name = field_validator("name")(_check_name)
+
+    def record_fields(self) -> dict[str, Any]:
+        return _to_record_fields(_changes(self, ("name", "models", "budget_period", "metadata", "weight", "priority")))
+
+
+def _changes(body: BaseModel, not_nullable: tuple[str, ...]) -> dict[str, Any]:
+    """The fields a PATCH body sent; `null` is refused where it would not mean "no limit"."""
+    changes = body.model_dump(include=body.model_fields_set)
+    for name in not_nullable:
+        if name in changes and changes[name] is None:
+            raise InvalidRequestError(f"'{name}' cannot be null; send a value or leave it out.", param=name)
+    return changes
 
 
 def _to_record_fields(values: dict[str, Any]) -> dict[str, Any]:
@@ -176,7 +246,43 @@ def record_json(record: KeyRecord, now_ms: int) -> dict[str, Any]:
         "num_requests": record.num_requests,
         "prompt_tokens": record.prompt_tokens,
         "completion_tokens": record.completion_tokens,
+        "team_id": record.team_id,
+        "weight": record.weight,
+        "priority": record.priority,
         "metadata": record.metadata,
+    }
+
+
+def team_json(team: TeamRecord, now_ms: int) -> dict[str, Any]:
+    """The public shape of a team record: its limits, its budgets against what it has spent, its share of the
+    local engine and how many keys it has."""
+    budget_spent, spend_micros = team.budget_spent(now_ms), team.budget_spend_micros(now_ms)
+    return {
+        "object": "team",
+        "id": team.id,
+        "name": team.name,
+        "created_at": rfc3339(team.created_at_ms),
+        "updated_at": rfc3339(team.updated_at_ms),
+        "models": list(team.models),
+        "rpm": team.rpm,
+        "tpm": team.tpm,
+        "max_concurrent": team.max_concurrent,
+        "token_budget": team.token_budget,
+        "budget_period": team.budget_period,
+        "budget_spent": budget_spent,
+        "budget_remaining": None if team.token_budget is None else max(team.token_budget - budget_spent, 0),
+        "budget_usd": None if team.budget_micros is None else usd(team.budget_micros),
+        "budget_usd_spent": usd(spend_micros),
+        "budget_usd_remaining": None if team.budget_micros is None else usd(max(team.budget_micros - spend_micros, 0)),
+        "spend_usd": usd(team.spend_micros),
+        "tokens_spent": team.tokens_spent,
+        "num_requests": team.num_requests,
+        "prompt_tokens": team.prompt_tokens,
+        "completion_tokens": team.completion_tokens,
+        "weight": team.weight,
+        "priority": team.priority,
+        "num_keys": team.num_keys,
+        "metadata": team.metadata,
     }
 
 
@@ -199,6 +305,16 @@ def _row_json(row: UsageRow) -> dict[str, Any]:
 
 def usage_json(key_id: str, rows: list[UsageRow]) -> dict[str, Any]:
     return {"object": "list", "key_id": key_id, "data": [_row_json(row) for row in rows]}
+
+
+def team_usage_json(team_id: str, rows: list[UsageRow]) -> dict[str, Any]:
+    """`GET /admin/teams/{id}/usage`: the team's own rows (every request of a key while it was in the team)."""
+    return {"object": "list", "team_id": team_id, "data": [_row_json(row) for row in rows]}
+
+
+def team_totals_json(team: TeamRecord, totals: UsageTotals) -> dict[str, Any]:
+    """`GET /admin/usage?team=<id>`: the shape of `GET /admin/usage` over one team's own usage and keys."""
+    return {**totals_json(totals), "team_id": team.id, "team_name": team.name}
 
 
 def totals_json(totals: UsageTotals) -> dict[str, Any]:

@@ -24,6 +24,7 @@ _RECORD_COLUMNS = (
     "budget_usd",
     "spend_usd",
     "revoked",
+    "team_id",
 )
 
 BaseUrl = Annotated[str, typer.Option("--base-url", envvar="UNIGATE_BASE_URL", help="The running gateway.")]
@@ -144,7 +145,9 @@ def _limits_body(
     budget_period: str | None,
     expires_at: str | None,
     metadata: str | None,
+    **more: Any,
 ) -> dict[str, Any]:
+    """The JSON body of a create or update from the options given (absent ones are left out)."""
     body: dict[str, Any] = {
         "name": name,
         "models": models or None,
@@ -155,6 +158,7 @@ def _limits_body(
         "budget_usd": budget_usd,
         "budget_period": budget_period,
         "expires_at": expires_at,
+        **more,
     }
     if metadata is not None:
         try:
@@ -178,6 +182,11 @@ BudgetUsd = Annotated[
 BudgetPeriod = Annotated[str | None, typer.Option(help="total, day or month (shared by both budgets).")]
 ExpiresAt = Annotated[str | None, typer.Option(help="RFC 3339 time, e.g. 2030-01-01T00:00:00Z.")]
 Metadata = Annotated[str | None, typer.Option(help="JSON object stored with the key.")]
+Team = Annotated[str | None, typer.Option("--team", help="A team id: the key joins it (its limits apply too).")]
+Weight = Annotated[float | None, typer.Option(help="Share of the local engine against other tenants (default 1).")]
+Priority = Annotated[
+    str | None, typer.Option(help="high, normal or low: served ahead of or behind the fair share (default normal).")
+]
 
 
 def _print_usage(data: dict[str, Any], rows: list[dict[str, Any]], *, is_totals: bool, as_json: bool) -> None:
@@ -215,13 +224,28 @@ def create(
     budget_period: BudgetPeriod = None,
     expires_at: ExpiresAt = None,
     metadata: Metadata = None,
+    team: Team = None,
+    weight: Weight = None,
+    priority: Priority = None,
     base_url: BaseUrl = _DEFAULT_BASE_URL,
     master_key: MasterKey = None,
     as_json: AsJson = False,
 ) -> None:
     """Create a key; its secret is printed this once."""
     body = _limits_body(
-        name, model, rpm, tpm, max_concurrent, token_budget, budget_usd, budget_period, expires_at, metadata
+        name,
+        model,
+        rpm,
+        tpm,
+        max_concurrent,
+        token_budget,
+        budget_usd,
+        budget_period,
+        expires_at,
+        metadata,
+        team_id=team,
+        weight=weight,
+        priority=priority,
     )
     _print_record(_call("POST", base_url, master_key, "/admin/keys", json=body), as_json)
 
@@ -266,19 +290,37 @@ def update(
     budget_period: BudgetPeriod = None,
     expires_at: ExpiresAt = None,
     metadata: Metadata = None,
+    team: Team = None,
+    weight: Weight = None,
+    priority: Priority = None,
     unset: Annotated[
         list[str] | None,
-        typer.Option(help="Remove a limit: rpm, tpm, max_concurrent, token_budget, budget_usd, expires_at."),
+        typer.Option(
+            help="Remove a limit: rpm, tpm, max_concurrent, token_budget, budget_usd, expires_at; or team_id "
+            "(the key leaves its team)."
+        ),
     ] = None,
     base_url: BaseUrl = _DEFAULT_BASE_URL,
     master_key: MasterKey = None,
     as_json: AsJson = False,
 ) -> None:
-    """Change a key's name, models, limits, budget or expiry."""
+    """Change a key's name, models, limits, budget, expiry, team, weight or priority."""
     body = _limits_body(
-        name, model, rpm, tpm, max_concurrent, token_budget, budget_usd, budget_period, expires_at, metadata
+        name,
+        model,
+        rpm,
+        tpm,
+        max_concurrent,
+        token_budget,
+        budget_usd,
+        budget_period,
+        expires_at,
+        metadata,
+        team_id=team,
+        weight=weight,
+        priority=priority,
     )
-    body.update(dict.fromkeys(unset or []))
+    body.update(dict.fromkeys("team_id" if field == "team" else field for field in unset or []))
     if not body:
         _fail("nothing to change: pass at least one option")
     _print_record(_call("PATCH", base_url, master_key, f"/admin/keys/{key_id}", json=body), as_json)

@@ -1,35 +1,37 @@
-"""Admin API: manage keys and read usage and the routing table. Master key only (a normal key gets 403
-`admin_only`), or the operator console's session cookie (`gateway.routes.ui`).
-
-The app provides `app.state.key_store` (a `KeyStore`), `app.state.settings`, and optionally
-`app.state.master_key` (the resolved master key; otherwise it is read from settings or the data directory).
+"""Admin API: manage keys and read usage and the routing table (teams: `gateway.routes.teams`). Master key only
+(a normal key gets 403 `admin_only`), or the operator console's session cookie (`gateway.routes.ui`); what the app
+must provide is in `gateway.routes.admin_access`.
 """
 
 from __future__ import annotations
 
-import hmac
 import time
 from typing import Any
 from urllib.parse import urlsplit
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from auth import redis_names
-from auth.admin import KeyCreateBody, KeyUpdateBody, parse_body, record_json, rfc3339, totals_json, usage_json
-from auth.base import extract_credential
-from auth.master_key import read_master_key
+from auth.admin import (
+    KeyCreateBody,
+    KeyUpdateBody,
+    parse_body,
+    record_json,
+    rfc3339,
+    team_totals_json,
+    totals_json,
+    usage_json,
+)
 from auth.store import KeyRecord, KeyStore
-from gateway.client_address import client_address
 from gateway.engine_metrics import local_engine_stats
-from gateway.errors import AuthError, InvalidRequestError, PermissionDeniedError
+from gateway.errors import InvalidRequestError
 from gateway.health_probe import HealthProber
 from gateway.metrics import GatewayMetrics
 from gateway.router import Deployment, Router
-from gateway.routes.ui import auth_limiter, has_session_cookie, require_session, too_many_attempts
-from gateway.settings import Settings
+from gateway.routes.admin_access import admin_store, int_param, json_response, team_store
+from gateway.routes.teams import all_teams, team_routes
 
 __all__ = ["admin_routes"]
 
@@ -39,67 +41,20 @@ _MAX_SEARCH_SCAN = 10_000  # keys one `GET /admin/keys?search=` call reads at mo
 _MAX_COOLING_SHOWN = 20  # a wildcard deployment's cooling models listed by GET /admin/models (all are counted)
 
 
-def _json(data: dict[str, Any], status_code: int = 200) -> Response:
-    return Response(orjson.dumps(data), status_code=status_code, media_type="application/json")
-
-
-async def _admin_store(request: Request) -> KeyStore:
-    """The key store, once the caller has proven to hold the master key: as a bearer / x-api-key, or through a
-    console session cookie (plus its CSRF token for a state-changing call) when no key header is sent.
-
-    A wrong key counts against its client address like a console login (`gateway.routes.ui.auth_limiter`); an
-    address over the limit is refused before its key is compared, so a blocked guesser learns nothing."""
-    if "authorization" not in request.headers and "x-api-key" not in request.headers and has_session_cookie(request):
-        await require_session(request, is_state_changing=request.method not in ("GET", "HEAD"))
-        session_store: KeyStore = request.app.state.key_store
-        return session_store
-    client, limiter = client_address(request), auth_limiter(request)
-    window = await limiter.check(client.address, client.peer)
-    if window.is_blocked:
-        raise too_many_attempts(window)
-    credential = extract_credential(request.headers)
-    master_key = getattr(request.app.state, "master_key", None) or _read_master_key(request.app.state.settings)
-    if master_key is not None and hmac.compare_digest(credential.encode(), master_key.encode()):
-        store: KeyStore = request.app.state.key_store
-        return store
-    await limiter.count(client.address, client.peer)
-    store = request.app.state.key_store
-    record = await store.find_by_secret(credential)
-    if record is not None and not record.is_revoked:
-        raise PermissionDeniedError(
-            "The admin API needs the master key; this is a normal API key. Use the master key "
-            "(UNIGATE_MASTER_KEY or the data directory's master_key file).",
-            code="admin_only",
-        )
-    raise AuthError("Invalid master key. The admin API accepts only the gateway's master key.")
-
-
-def _int_param(request: Request, name: str, default: int | None, *, low: int, high: int) -> int | None:
-    raw = request.query_params.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = low - 1
-    if not low <= value <= high:
-        raise InvalidRequestError(f"Query parameter '{name}' must be an integer from {low} to {high}.", param=name)
-    return value
-
-
 async def create_key(request: Request) -> Response:
-    store = await _admin_store(request)
+    store = await admin_store(request)
     body = parse_body(await request.body(), KeyCreateBody)
     now = await store.now_ms()
     if body.expires_at is not None and body.expires_at.timestamp() * 1000 <= now:
         raise InvalidRequestError("'expires_at' is in the past; give a future RFC 3339 time.", param="expires_at")
-    record, secret = await store.create(body.record_fields())
-    return _json({**record_json(record, now), "key": secret}, status_code=201)
+    fields = body.record_fields()
+    record, secret = await store.create(fields, team_id=fields.pop("team_id"))  # 404 team_not_found
+    return json_response({**record_json(record, now), "key": secret}, status_code=201)
 
 
 async def list_keys(request: Request) -> Response:
-    store = await _admin_store(request)
-    limit = _int_param(request, "limit", _DEFAULT_PAGE_SIZE, low=1, high=_MAX_PAGE_SIZE)
+    store = await admin_store(request)
+    limit = int_param(request, "limit", _DEFAULT_PAGE_SIZE, low=1, high=_MAX_PAGE_SIZE)
     assert limit is not None
     after = request.query_params.get("after")
     search = request.query_params.get("search", "").strip().lower()
@@ -111,7 +66,7 @@ async def list_keys(request: Request) -> Response:
         records, has_more, last_id = await _search_keys(store, search, limit, after)
     now = await store.now_ms()
     data = [record_json(record, now) for record in records]
-    return _json(
+    return json_response(
         {
             "object": "list",
             "data": data,
@@ -144,70 +99,87 @@ async def _search_keys(
 
 
 async def get_key(request: Request) -> Response:
-    store = await _admin_store(request)
+    store = await admin_store(request)
     record = await store.get(request.path_params["key_id"])
-    return _json(record_json(record, await store.now_ms()))
+    return json_response(record_json(record, await store.now_ms()))
 
 
 async def update_key(request: Request) -> Response:
-    store = await _admin_store(request)
+    """`PATCH /admin/keys/{id}`; a `team_id` moves the key into that team (`null`: out of its team). The key's own
+    usage history stays with the key; from now on its requests also count against the new team."""
+    store = await admin_store(request)
     body = parse_body(await request.body(), KeyUpdateBody)
-    record = await store.update(request.path_params["key_id"], body.record_fields())
-    return _json(record_json(record, await store.now_ms()))
+    record = await store.update(request.path_params["key_id"], body.record_fields())  # 404 team_not_found
+    return json_response(record_json(record, await store.now_ms()))
 
 
 async def revoke_key(request: Request) -> Response:
-    store = await _admin_store(request)
+    store = await admin_store(request)
     record = await store.revoke(request.path_params["key_id"])
-    return _json(record_json(record, await store.now_ms()))
+    return json_response(record_json(record, await store.now_ms()))
 
 
 async def rotate_key(request: Request) -> Response:
-    store = await _admin_store(request)
+    store = await admin_store(request)
     record, secret = await store.rotate(request.path_params["key_id"])
-    return _json({**record_json(record, await store.now_ms()), "key": secret})
+    return json_response({**record_json(record, await store.now_ms()), "key": secret})
 
 
 async def key_usage(request: Request) -> Response:
-    store = await _admin_store(request)
-    num_days = _int_param(request, "days", None, low=1, high=400)
+    store = await admin_store(request)
+    num_days = int_param(request, "days", None, low=1, high=400)
     key_id = request.path_params["key_id"]
-    return _json(usage_json(key_id, await store.usage(key_id, num_days=num_days)))
+    return json_response(usage_json(key_id, await store.usage(key_id, num_days=num_days)))
 
 
 async def total_usage(request: Request) -> Response:
-    store = await _admin_store(request)
-    num_days = _int_param(request, "days", None, low=1, high=400)
-    return _json(totals_json(await store.totals(num_days=num_days)))
+    """`GET /admin/usage?days=N`: totals over every key and the master key; with `team=<id>`, over that team's own
+    usage (every request its keys made while in it, also of keys that have left it since)."""
+    num_days = int_param(request, "days", None, low=1, high=400)
+    team_id = request.query_params.get("team")
+    if team_id is None:
+        store = await admin_store(request)
+        return json_response(totals_json(await store.totals(num_days=num_days)))
+    _, teams = await team_store(request)
+    team = await teams.get(team_id)
+    return json_response(team_totals_json(team, await teams.totals(team_id, num_days=num_days)))
 
 
 async def engine_stats(request: Request) -> Response:
     """`GET /admin/engine`: the stats of every local-engine deployment (queues, KV blocks, prefix-cache hit rate,
     memory: weights / KV cache / peak, token rates, capacity)."""
-    await _admin_store(request)
-    return _json({"object": "list", "data": local_engine_stats(request.app.state.router)})
+    await admin_store(request)
+    return json_response({"object": "list", "data": local_engine_stats(request.app.state.router)})
 
 
 async def usage_rows(request: Request) -> Response:
     """`GET /admin/usage/rows?days=N` (default 30): usage per UTC day, key (the master key as `master`) and model
-    over the last N days, the rows the console's Usage page groups and exports as CSV."""
-    store = await _admin_store(request)
-    num_days = _int_param(request, "days", 30, low=1, high=400)
-    names = {redis_names.MASTER_ID: "master key"}
+    over the last N days, each with the key's current team (`team_id`, `team_name`; null without one): the rows the
+    console's Usage page groups and exports as CSV. `team=<id>` keeps the rows of that team's keys."""
+    store, teams = await team_store(request)
+    num_days = int_param(request, "days", 30, low=1, high=400)
+    only_team = request.query_params.get("team")
+    team_names = {team.id: team.name for team in await all_teams(teams)}
+    if only_team is not None and only_team not in team_names:
+        await teams.get(only_team)  # 404 team_not_found
+    keys: dict[str, tuple[str, str | None]] = {redis_names.MASTER_ID: ("master key", None)}
     after: str | None = None
     while True:
         page = await store.list_keys(limit=_MAX_PAGE_SIZE, after=after)
-        names.update((record.id, record.name) for record in page.records)
+        keys.update((record.id, (record.name, record.team_id)) for record in page.records)
         if not page.has_more or not page.records:
             break
         after = page.records[-1].id
+    if only_team is not None:
+        keys = {key_id: key for key_id, key in keys.items() if key[1] == only_team}
     data = []
-    usage = await store.usage_many(list(names), num_days=num_days)
-    for key_id, name in names.items():
+    usage = await store.usage_many(list(keys), num_days=num_days)
+    for key_id, (name, team_id) in keys.items():
+        team = {"team_id": team_id, "team_name": team_names.get(team_id) if team_id else None}
         for row in usage_json(key_id, usage[key_id])["data"]:
-            data.append({"key_id": key_id, "key_name": name, **row})
+            data.append({"key_id": key_id, "key_name": name, **team, **row})
     data.sort(key=lambda row: (row["date"], row["key_id"], row["model"]))
-    return _json({"object": "list", "days": num_days, "data": data})
+    return json_response({"object": "list", "days": num_days, "data": data})
 
 
 async def models(request: Request) -> Response:
@@ -215,7 +187,7 @@ async def models(request: Request) -> Response:
     its upstream host (never its key), state (and the reason of a `load_failed`), cooldown, the models of a wildcard
     deployment that cool down on their own, in-flight requests, and its attempts, errors and summed latency since
     start (a reader takes differences between two reads for recent figures)."""
-    await _admin_store(request)
+    await admin_store(request)
     router: Router = request.app.state.router
     prober: HealthProber = request.app.state.health_prober
     states, reasons = prober.states(), prober.reasons()
@@ -255,7 +227,7 @@ async def models(request: Request) -> Response:
                 "deployments": deployments,
             }
         )
-    return _json({"object": "list", "data": data})
+    return json_response({"object": "list", "data": data})
 
 
 def _cooling_models(deployment: Deployment, now_wall: float, now_mono: float) -> dict[str, Any]:
@@ -312,9 +284,5 @@ def admin_routes() -> list[Route]:
         Route("/admin/usage/rows", usage_rows, methods=["GET"]),
         Route("/admin/models", models, methods=["GET"]),
         Route("/admin/engine", engine_stats, methods=["GET"]),
+        *team_routes(),
     ]
-
-
-def _read_master_key(settings: Settings) -> str | None:
-    configured = settings.master_key.get_secret_value() if settings.master_key is not None else None
-    return read_master_key(configured, settings.data_dir)

@@ -122,6 +122,11 @@ async def test_patch_changes_only_sent_fields_and_null_clears(admin: httpx.Async
         ({"name": "ops\r\nX-Injected: 1"}, "name"),
         ({"name": "nul\u0000"}, "name"),
         ({"models": ["gpt\n4"]}, "models"),
+        ({"weight": 0}, "weight"),
+        ({"weight": "2"}, "weight"),
+        ({"priority": "urgent"}, "priority"),
+        ({"team_id": "search"}, "team_id"),  # not a team id (an unknown well-formed one is 404 team_not_found)
+        ({"team_id": 5}, "team_id"),
     ],
 )
 async def test_invalid_bodies_name_the_field(admin: httpx.AsyncClient, body: dict[str, Any], param: str) -> None:

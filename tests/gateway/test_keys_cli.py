@@ -1,4 +1,5 @@
-"""`unigate keys …` against a real gateway-shaped server (uvicorn on a loopback port, real Redis)."""
+"""`unigate keys …` and `unigate teams …` against a real gateway-shaped server (uvicorn on a loopback port, real
+Redis)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from gateway.errors import GatewayError, render_openai
 from gateway.keys_cli import register
 from gateway.routes.admin import admin_routes
 from gateway.settings import Settings
+from gateway.teams_cli import register as register_teams
 
 MASTER_KEY = "sk-ug-cli-master-key-000000000000"
 
@@ -64,18 +66,28 @@ def base_url(redis_url: str, tmp_path: Path) -> Iterator[str]:
     thread.join(timeout=10)
 
 
-@pytest.fixture
-def cli(base_url: str) -> Any:
+def _invoker(base_url: str, group: str) -> Any:
     app = typer.Typer()
     register(app)
+    register_teams(app)
     runner = CliRunner(env={"COLUMNS": "250"})
 
     def invoke(*args: str, as_json: bool = True, master_key: str = MASTER_KEY) -> Any:
         extra = ["--base-url", base_url, "--master-key", master_key] + (["--json"] if as_json else [])
-        result = runner.invoke(app, ["keys", *args, *extra])
+        result = runner.invoke(app, [group, *args, *extra])
         return result if not as_json or result.exit_code else orjson.loads(result.output)
 
     return invoke
+
+
+@pytest.fixture
+def cli(base_url: str) -> Any:
+    return _invoker(base_url, "keys")
+
+
+@pytest.fixture
+def teams(base_url: str) -> Any:
+    return _invoker(base_url, "teams")
 
 
 def test_key_lifecycle_through_the_cli(cli: Any) -> None:
@@ -155,7 +167,7 @@ def test_piped_output_keeps_whole_values(base_url: str) -> None:
     assert listed.exit_code == 0, listed.output
     header, *rows = listed.output.splitlines()
     assert header.split("\t") == ["id", "name", "key_prefix", "models", "rpm", "tpm", "max_concurrent",
-                                  "token_budget", "budget_usd", "spend_usd", "revoked"]  # fmt: skip
+                                  "token_budget", "budget_usd", "spend_usd", "revoked", "team_id"]  # fmt: skip
     assert [row.split("\t")[:2] for row in rows] == [[ids[0], "a-long-key-name-for-the-search-team"], [ids[1], "b"]]
     assert all(len(row.split("\t")) == len(header.split("\t")) for row in rows)
     paged = runner.invoke(app, ["keys", "list", "--limit", "1", *common])  # the next-page hint goes to stderr
@@ -165,3 +177,70 @@ def test_piped_output_keeps_whole_values(base_url: str) -> None:
     assert f"id\t{ids[0]}" in shown.output.splitlines()
     usage = runner.invoke(app, ["keys", "usage", *common])
     assert usage.exit_code == 0 and usage.output.splitlines()[0].split("\t")[0] == "model"
+
+
+def test_team_lifecycle_through_the_cli(cli: Any, teams: Any) -> None:
+    created = teams(
+        "create", "--name", "search", "--model", "openai/*", "--rpm", "600", "--budget-usd", "25.5",
+        "--budget-period", "month", "--weight", "3", "--priority", "high", "--metadata", '{"owner": "ana"}',
+    )  # fmt: skip
+    team_id = created["id"]
+    assert created["object"] == "team" and team_id.startswith("team_")
+    assert (created["models"], created["rpm"], created["budget_usd"], created["budget_period"]) == (
+        ["openai/*"],
+        600,
+        25.5,
+        "month",
+    )
+    assert (created["weight"], created["priority"], created["metadata"]) == (3.0, "high", {"owner": "ana"})
+    assert [t["id"] for t in teams("list")["data"]] == [team_id]
+
+    updated = teams("update", team_id, "--tpm", "5000", "--unset", "rpm", "--priority", "low")
+    assert (updated["rpm"], updated["tpm"], updated["priority"]) == (None, 5000, "low")
+    assert teams("update", team_id, as_json=False).exit_code == 1  # nothing to change
+
+    # Keys join at creation or later, move out with --unset team_id; the team counts them.
+    member = cli("create", "--name", "m1", "--team", team_id, "--weight", "2", "--priority", "low")
+    assert (member["team_id"], member["weight"], member["priority"]) == (team_id, 2.0, "low")
+    other = cli("create", "--name", "m2")
+    assert cli("update", other["id"], "--team", team_id)["team_id"] == team_id
+    assert teams("show", team_id)["num_keys"] == 2
+    assert sorted(k["id"] for k in teams("show", team_id, "--keys")["data"]) == sorted([member["id"], other["id"]])
+    assert cli("update", other["id"], "--unset", "team_id")["team_id"] is None
+    assert teams("usage", team_id) == {"object": "list", "team_id": team_id, "data": []}
+
+    refused = teams("delete", team_id, as_json=False)
+    assert refused.exit_code == 1 and "team_has_keys" in refused.output and "--force" in refused.output
+    deleted = teams("delete", team_id, "--force")
+    assert deleted["deleted"] is True and deleted["detached_keys"] == [member["id"]]
+    assert cli("show", member["id"])["team_id"] is None
+    missing = teams("show", team_id, as_json=False)
+    assert missing.exit_code == 1 and "404 team_not_found" in missing.output
+    assert cli("create", "--team", team_id, as_json=False).exit_code == 1
+
+
+def test_teams_piped_output_keeps_whole_values(base_url: str) -> None:
+    app = typer.Typer()
+    register(app)
+    register_teams(app)
+    runner = CliRunner(env={"COLUMNS": None, "LINES": None})
+    common = ["--base-url", base_url, "--master-key", MASTER_KEY]
+    ids = []
+    for name in ("a-long-team-name-for-the-search-people", "b"):
+        created = runner.invoke(app, ["teams", "create", "--name", name, "--rpm", "60", "--json", *common])
+        ids.append(orjson.loads(created.output)["id"])
+    listed = runner.invoke(app, ["teams", "list", *common])
+    assert listed.exit_code == 0, listed.output
+    header, *rows = listed.output.splitlines()
+    assert header.split("\t") == ["id", "name", "num_keys", "models", "rpm", "tpm", "max_concurrent",
+                                  "token_budget", "budget_usd", "spend_usd", "weight", "priority"]  # fmt: skip
+    assert [row.split("\t")[:5] for row in rows] == [
+        [ids[0], "a-long-team-name-for-the-search-people", "0", "all", "60"],
+        [ids[1], "b", "0", "all", "60"],
+    ]
+    paged = runner.invoke(app, ["teams", "list", "--limit", "1", *common])
+    assert len(paged.stdout.splitlines()) == 2 and f"--after {ids[0]}" in paged.stderr
+    shown = runner.invoke(app, ["teams", "show", ids[1], *common])
+    assert f"id\t{ids[1]}" in shown.output.splitlines() and "priority\tnormal" in shown.output.splitlines()
+    deleted = runner.invoke(app, ["teams", "delete", ids[1], *common])
+    assert deleted.exit_code == 0 and deleted.output.strip() == f"deleted {ids[1]}"
