@@ -16,13 +16,13 @@ from backends.base import Backend
 from backends.config import UpstreamConfig
 from backends.openai import OpenAIBackend
 from gateway.routing_config import DeploymentConfig, RoutingConfigError
-from gateway.settings import Settings
+from gateway.settings import EngineSettings, Settings
 
 if TYPE_CHECKING:
     from backends.engine_client import EngineClientConfig
     from backends.local import LocalBackendConfig
 
-__all__ = ["build_backend", "engine_client_config", "local_config", "upstream_config"]
+__all__ = ["build_backend", "engine_client_config", "local_config", "local_model_settings", "upstream_config"]
 
 
 def build_backend(deployment: DeploymentConfig, settings: Settings) -> Backend:
@@ -45,53 +45,42 @@ def build_backend(deployment: DeploymentConfig, settings: Settings) -> Backend:
     return LocalBackend.from_local_config(local_config(deployment, settings))
 
 
+def local_model_settings(deployment: DeploymentConfig, settings: Settings) -> EngineSettings:
+    """The engine settings as one `type: local` deployment sees them: each `LocalModelSettings` field its routing
+    entry sets replaces the engine setting's (whole: a `speculative` or `sampling_defaults` entry is not merged
+    field by field), the rest are the settings'. The one place the two meet, for the in-process backend and the
+    engine process (`--workers N`) alike."""
+    return settings.engine.model_copy(update=deployment.local_overrides())
+
+
 def local_config(deployment: DeploymentConfig, settings: Settings) -> LocalBackendConfig:
-    """A `type: local` deployment's config: its own model, output limits, sampling defaults, speculative decoding
-    and quantization where it sets them, the engine settings' otherwise."""
+    """A `type: local` deployment's config: `local_model_settings` as the local backend takes it."""
     from backends.local import LocalBackendConfig
 
-    engine = settings.engine
-    engine_config = engine.engine_config()
-    if deployment.speculative is not None:
-        engine_config = engine_config.model_copy(update={"speculative": deployment.speculative})
-    quantization = {
-        field: getattr(deployment, field)
-        for field in ("quantization", "quantization_group_size")
-        if getattr(deployment, field) is not None
-    }
-    if quantization:
-        engine_config = engine_config.model_copy(update=quantization)
+    engine = local_model_settings(deployment, settings)
     return LocalBackendConfig(
         name=deployment.name,
         model_id=deployment.id or engine.model_id,
         cache_dir=settings.data_dir / "models",
-        model_path=deployment.model_path or engine.model_path,
-        engine=engine_config,
+        model_path=engine.model_path,
+        engine=engine.engine_config(),
         load_wait_s=engine.load_wait_s,
         clamp_max_tokens=True if deployment.clamp_max_tokens is None else deployment.clamp_max_tokens,
-        default_max_tokens=(
-            engine.default_max_tokens if deployment.default_max_tokens is None else deployment.default_max_tokens
-        ),
-        sampling_defaults=(
-            engine.sampling_defaults if deployment.sampling_defaults is None else deployment.sampling_defaults
-        ),
+        default_max_tokens=engine.default_max_tokens,
+        sampling_defaults=engine.sampling_defaults,
     )
 
 
 def engine_client_config(deployment: DeploymentConfig, settings: Settings) -> EngineClientConfig:
     """A `type: local` deployment served by the engine process at its socket (`settings.engine_sockets`), with the
-    output limits that process applies (as `local_config` gives them)."""
+    output limits that process applies (`local_model_settings`, as `local_config` gives them)."""
     from backends.engine_client import EngineClientConfig
 
     return EngineClientConfig(
         name=deployment.name,
         socket_path=settings.engine_sockets[deployment.name],
         clamp_max_tokens=True if deployment.clamp_max_tokens is None else deployment.clamp_max_tokens,
-        default_max_tokens=(
-            settings.engine.default_max_tokens
-            if deployment.default_max_tokens is None
-            else deployment.default_max_tokens
-        ),
+        default_max_tokens=local_model_settings(deployment, settings).default_max_tokens,
         connect_timeout_s=deployment.connect_timeout_s or settings.connect_timeout_s,
         read_timeout_s=settings.read_timeout_s,
         max_connections=deployment.max_connections,

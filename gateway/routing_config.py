@@ -52,11 +52,18 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
-from gateway.settings import Settings
-from local_engine.config import SpeculativeConfig
-from local_engine.sampling_params import sampling_defaults
+from gateway.settings import LocalModelSettings, Settings
 
 __all__ = [
     "DeploymentConfig",
@@ -103,8 +110,13 @@ class PricingConfig(BaseModel):
         return (exact + 500_000) // 1_000_000  # half up
 
 
-class DeploymentConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DeploymentConfig(LocalModelSettings):
+    """One deployment entry. A `type: local` entry may set `LocalModelSettings`' fields (model_path,
+    default_max_tokens, sampling_defaults, quantization, quantization_group_size, speculative): declared there
+    once, with the engine settings' defaults; those the entry sets (`local_overrides`) replace the engine settings'
+    (`gateway.deployments.local_model_settings`), the others follow them. A null value counts as not set."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False)
 
     type: Literal["openai", "anthropic", "local"]
     name: str = ""  # stable deployment id for metrics/cooldowns/leases; default "<model id>#<index>"
@@ -112,7 +124,6 @@ class DeploymentConfig(BaseModel):
     base_url: str | None = None
     api_key: str | None = None  # resolved: `env:NAME` is replaced by the variable's value at load time
     model: str | None = None  # upstream model name; default the public id (for wildcards: the matched suffix)
-    model_path: str | None = None  # `type: local`: HF directory or GGUF file; None = the bundled model
     weight: float = Field(default=1.0, gt=0)
     timeout_s: float | None = Field(default=None, gt=0)
     connect_timeout_s: float | None = Field(default=None, gt=0)
@@ -127,26 +138,16 @@ class DeploymentConfig(BaseModel):
     # Output limits (docs/coding-agents.md). `context_length`: the upstream model's context in tokens (a local
     # deployment knows its own). `clamp_max_tokens`: a max_tokens that does not fit next to the prompt is lowered to
     # the room left instead of refused; None = on for `type: local` and for upstreams with a context_length.
-    # `default_max_tokens` (`type: local`): the output limit when the client sends none; None = the engine setting,
-    # 0 = none (until the context is full).
     context_length: int | None = Field(default=None, ge=1)
     clamp_max_tokens: bool | None = None
-    default_max_tokens: int | None = Field(default=None, ge=0)
-    # `type: local`: sampling for requests that leave these fields out (temperature, top_p, top_k, min_p,
-    # repetition_penalty); None = UNIGATE_ENGINE__SAMPLING_DEFAULTS, else the model's own; {} = OpenAI's defaults.
-    sampling_defaults: dict[str, Any] | None = None  # checked strictly by `_check_sampling_defaults`
-    # `type: local`: speculative decoding for this deployment's engine (docs/local-engine.md#speculative-decoding),
-    # the same fields as UNIGATE_ENGINE__SPECULATIVE__*; None = those settings.
-    speculative: SpeculativeConfig | None = None
-    # `type: local`: weight-only quantization of this deployment's model (docs/local-engine.md#quantization), as
-    # UNIGATE_ENGINE__QUANTIZATION / __QUANTIZATION_GROUP_SIZE; None = those settings.
-    quantization: Literal["none", "int8", "int4"] | None = None
-    quantization_group_size: int | None = Field(default=None, gt=0, multiple_of=32)
 
-    @field_validator("sampling_defaults")
+    @model_validator(mode="before")
     @classmethod
-    def _check_sampling_defaults(cls, value: dict[str, Any] | None) -> dict[str, float] | None:
-        return None if value is None else sampling_defaults(value)
+    def _unset_nulls(cls, data: Any) -> Any:
+        """`default_max_tokens: null` (and the like) means what leaving the field out means: the engine setting."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in LocalModelSettings.model_fields)}
+        return data
 
     @field_validator("api_key")
     @classmethod
@@ -171,20 +172,25 @@ class DeploymentConfig(BaseModel):
             raise ValueError(
                 "a `type: local` deployment knows its context length; set UNIGATE_ENGINE__MAX_MODEL_LEN instead"
             )
-        if self.type != "local" and self.default_max_tokens is not None:
-            raise ValueError("`default_max_tokens` applies to `type: local` deployments only; remove it")
-        if self.type != "local" and self.sampling_defaults is not None:
-            raise ValueError("`sampling_defaults` applies to `type: local` deployments only; remove it")
-        if self.type != "local" and self.speculative is not None:
-            raise ValueError("`speculative` applies to `type: local` deployments only; remove it")
-        for field in ("quantization", "quantization_group_size"):
-            if self.type != "local" and getattr(self, field) is not None:
+        for field in self.local_overrides():
+            if self.type != "local" and field != "model_path":
                 raise ValueError(f"`{field}` applies to `type: local` deployments only; remove it")
         if self.type != "local" and self.clamp_max_tokens and self.context_length is None:
             raise ValueError(
                 "`clamp_max_tokens: true` needs the upstream model's `context_length` (e.g. context_length: 128000)"
             )
         return self
+
+    @model_serializer(mode="wrap")
+    def _dump_own_local_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A dump names only the local fields the entry sets, so validating it again (the engine process does)
+        gives the same overrides, not every field set to its default."""
+        data: dict[str, Any] = handler(self)
+        return {k: v for k, v in data.items() if k not in LocalModelSettings.model_fields or k in self.model_fields_set}
+
+    def local_overrides(self) -> dict[str, Any]:
+        """The `LocalModelSettings` fields this entry sets, by name (in declaration order)."""
+        return {name: getattr(self, name) for name in LocalModelSettings.model_fields if name in self.model_fields_set}
 
     @property
     def clamps_max_tokens(self) -> bool:

@@ -15,36 +15,55 @@ import pydantic_settings
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from local_engine.config import EngineConfig
+from local_engine.config import EngineConfig, ModelOptions
 from local_engine.sampling_params import sampling_defaults
 
-__all__ = ["ConsoleSettings", "EngineSettings", "InvalidSettingsError", "LimitSettings", "Settings", "load_settings"]
+__all__ = [
+    "ConsoleSettings",
+    "EngineSettings",
+    "InvalidSettingsError",
+    "LimitSettings",
+    "LocalModelSettings",
+    "Settings",
+    "load_settings",
+]
 
 
-class EngineSettings(EngineConfig):
-    """The embedded local engine (`type: local` deployments and the bundled default model): the engine's run
-    options (`local_engine.config.EngineConfig`, declared and validated there) plus what only the gateway uses."""
+class LocalModelSettings(ModelOptions):
+    """What a `type: local` deployment may set for its own model, declared once: the engine settings extend this
+    model (`UNIGATE_ENGINE__<FIELD>`, every local deployment's default), and so does a routing-file deployment (the
+    fields its entry sets are its own). `gateway.deployments.local_model_settings` merges the two, the only place
+    that does. The quantization and speculative fields come from the engine's `ModelOptions`."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    enabled: bool = True  # serve the bundled model when no routing file names any model
     model_path: str | None = None  # HF directory or GGUF file; None = the bundled SmolLM2-135M-Instruct
-    model_id: str = "smollm2-135m-instruct"
-    aliases: list[str] = Field(default_factory=lambda: ["local"])
-    # The output limit of a request that sets none (Codex CLI sends none), so a turn ends in bounded time; a
-    # deployment's `default_max_tokens` overrides it. 0 = none: generate until EOS or the context is full.
+    # The output limit of a request that sets none (Codex CLI sends none), so a turn ends in bounded time.
+    # 0 = none: generate until EOS or the context is full.
     default_max_tokens: int = Field(default=1024, ge=0)
     # Sampling for a request that leaves these fields out (temperature, top_p, top_k, min_p, repetition_penalty),
-    # e.g. {"temperature": 0.7}; a deployment's `sampling_defaults` overrides it. None = the model's own
-    # (generation_config.json; the bundled model: temperature 0.2); {} = OpenAI's defaults.
+    # e.g. {"temperature": 0.7}, taken whole (a deployment's does not merge with the engine setting's). None = the
+    # model's own (generation_config.json; the bundled model: temperature 0.2); {} = OpenAI's defaults.
     sampling_defaults: dict[str, Any] | None = None  # checked strictly by `_check_sampling_defaults`
-    # While the model loads, a request waits this long for it, then gets 503 engine_loading with Retry-After.
-    load_wait_s: float = Field(default=30.0, ge=0)
 
     @field_validator("sampling_defaults")
     @classmethod
     def _check_sampling_defaults(cls, value: dict[str, Any] | None) -> dict[str, float] | None:
         return None if value is None else sampling_defaults(value)
+
+
+class EngineSettings(EngineConfig, LocalModelSettings):
+    """The embedded local engine (`type: local` deployments and the bundled default model): the engine's run
+    options (`local_engine.config.EngineConfig`, declared and validated there), what a deployment may set for its
+    own model (`LocalModelSettings`), and what only the gateway uses."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    enabled: bool = True  # serve the bundled model when no routing file names any model
+    model_id: str = "smollm2-135m-instruct"
+    aliases: list[str] = Field(default_factory=lambda: ["local"])
+    # While the model loads, a request waits this long for it, then gets 503 engine_loading with Retry-After.
+    load_wait_s: float = Field(default=30.0, ge=0)
 
     def engine_config(self) -> EngineConfig:
         """The run options the engine takes (these settings without the gateway's fields)."""

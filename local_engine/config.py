@@ -18,7 +18,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from local_engine.errors import ModelLoadError
 
-__all__ = ["DTYPE_BYTES", "KV_SCALE_BYTES", "EngineConfig", "KVCapacity", "ModelConfig", "SpeculativeConfig"]
+__all__ = [
+    "DTYPE_BYTES",
+    "KV_SCALE_BYTES",
+    "EngineConfig",
+    "KVCapacity",
+    "ModelConfig",
+    "ModelOptions",
+    "SpeculativeConfig",
+]
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
@@ -221,11 +229,32 @@ class SpeculativeConfig(BaseModel):
         return self
 
 
-class EngineConfig(BaseModel):
+class ModelOptions(BaseModel):
+    """The run options that belong to one model rather than to the host: its weights' quantization and speculative
+    decoding. A gateway's `type: local` deployment may set these for itself (`gateway.settings.LocalModelSettings`
+    extends this model); the rest of `EngineConfig` is the host's."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Weight-only quantization at load time (local_engine/quantization.py): int8 symmetric per output channel,
+    # int4 in groups of `quantization_group_size` along the input with a scale and a minimum per group
+    quantization: Literal["none", "int8", "int4"] = "none"
+    quantization_group_size: int = 32
+    speculative: SpeculativeConfig = SpeculativeConfig()
+
+    @field_validator("quantization_group_size")
+    @classmethod
+    def _check_quantization_group_size(cls, value: int) -> int:
+        if value <= 0 or value % 32:
+            raise ValueError("quantization_group_size must be a positive multiple of 32 (e.g. 32, 64 or 128)")
+        return value
+
+
+class EngineConfig(ModelOptions):
     """How the engine runs a model: the run options, declared once (the gateway's `EngineSettings` extends this
-    model with its own fields, so `UNIGATE_ENGINE__<FIELD>` reads each of these). Validated when built, so a bad
-    value stops start-up instead of the model load. `auto` values are resolved by `resolved_*` methods, never
-    stored back."""
+    model with its own fields, so `UNIGATE_ENGINE__<FIELD>` reads each of these; `ModelOptions` holds those a
+    deployment may set for itself). Validated when built, so a bad value stops start-up instead of the model load.
+    `auto` values are resolved by `resolved_*` methods, never stored back."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -251,27 +280,15 @@ class EngineConfig(BaseModel):
     # CPU, with cpu_kernels: decode-size projections read a GGUF checkpoint's Q4_1/Q8_0 blocks as stored (the same
     # float32 results, 5-6x fewer bytes per step) instead of float32 panels
     cpu_gguf_blocks: bool = True
-    # Weight-only quantization at load time (local_engine/quantization.py): int8 symmetric per output channel,
-    # int4 in groups of `quantization_group_size` along the input with a scale and a minimum per group
-    quantization: Literal["none", "int8", "int4"] = "none"
-    quantization_group_size: int = 32
     # With quantized weights or an int8 KV cache: measure perplexity on the evaluation text at start-up against a
     # float32 copy, warn past +1% (int8) / +5% (int4) (local_engine/perplexity.py)
     quantization_check: bool = False
-    speculative: SpeculativeConfig = SpeculativeConfig()
 
     @field_validator("block_size")
     @classmethod
     def _check_block_size(cls, value: int) -> int:
         if not _is_power_of_two(value):
             raise ValueError("block_size must be a positive power of two (e.g. 16 or 32)")
-        return value
-
-    @field_validator("quantization_group_size")
-    @classmethod
-    def _check_quantization_group_size(cls, value: int) -> int:
-        if value <= 0 or value % 32:
-            raise ValueError("quantization_group_size must be a positive multiple of 32 (e.g. 32, 64 or 128)")
         return value
 
     @field_validator("kv_cache_memory")
