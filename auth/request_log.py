@@ -112,8 +112,8 @@ class RequestFilter:
 
     def matches(self, record: RequestRecord) -> bool:
         return (
-            (self.key_id is None or record.key_id == self.key_id)
-            and (self.team_id is None or record.team_id == self.team_id)
+            (self.key_id is None or (record.key_id or "") == self.key_id)  # "": the master key
+            and (self.team_id is None or (record.team_id or "") == self.team_id)
             and (self.model is None or record.model == self.model)
             and (self.deployment is None or record.deployment == self.deployment)
             and (self.status is None or record.status == self.status)
