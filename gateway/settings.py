@@ -24,6 +24,7 @@ __all__ = [
     "InvalidSettingsError",
     "LimitSettings",
     "LocalModelSettings",
+    "RequestLogSettings",
     "Settings",
     "load_settings",
 ]
@@ -91,6 +92,15 @@ class ConsoleSettings(BaseModel):
     max_logins_per_min: int = Field(default=10, ge=1)
 
 
+class RequestLogSettings(BaseModel):
+    """The request log (docs/operations.md "Request log"): one record per request in Redis, read by
+    /admin/requests, `unigate requests` and the console's Requests page."""
+
+    enabled: bool = True
+    retention_days: float = Field(default=7.0, gt=0, allow_inf_nan=False)  # older records are trimmed
+    max_records: int = Field(default=1_000_000, ge=1)  # the log's length cap (the oldest go first)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="UNIGATE_",
@@ -140,6 +150,7 @@ class Settings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
     console: ConsoleSettings = Field(default_factory=ConsoleSettings)
+    request_log: RequestLogSettings = Field(default_factory=RequestLogSettings)
 
     # Not a setting: `unigate serve --workers N` hands it to its workers (gateway.server): the local deployments
     # served by this host's engine process, by name, and the Unix socket each one listens on.
