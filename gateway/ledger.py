@@ -27,9 +27,9 @@ from gateway.call_context import CallContext
 from gateway.estimates import CHARS_PER_TOKEN, answer_chars, estimate_prompt_tokens, has_counts, prompt_token_bound
 from gateway.metrics import GatewayMetrics
 from gateway.output_limits import reserved_output_tokens
+from gateway.request_fields import count_prompts
 from gateway.router import Router, Target
 from gateway.routing_config import PricingConfig
-from gateway.validate import count_prompts
 
 __all__ = ["Ledger", "Settlement", "Usage", "budget_cost"]
 
