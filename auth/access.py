@@ -20,17 +20,21 @@ settle is lost (and counted) while the response goes out normally.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Literal
 
-from auth import scripts
+from redis.exceptions import NoScriptError
+from redis.typing import EncodableT
+
+from auth import redis_names, scripts
 from auth.base import KEY_PREFIX, NO_COST, Admission, BudgetCost, Principal, SettleUsage, wrong_prefix_error
 from auth.cluster_pipe import make_pipe
 from auth.failure_policy import FailurePolicy
-from auth.key_cache import KeyCache
+from auth.key_cache import CachedKey, CachedTeam, KeyCache
 from auth.keys import hash_key, new_request_id
 from auth.redis_client import RedisClient, disconnect_idle, is_writable
 from auth.rejections import rate_limit_headers, rejection, unknown_key_error
@@ -40,6 +44,16 @@ from auth.store import KeyRecord, KeyStore
 from auth.upstream import RedisUpstreamLimiter
 
 __all__ = ["AccessConfig", "RedisAccess"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    """One request's admission, as the key and its team are asked for it (the same request id for both)."""
+
+    model: str
+    estimated_tokens: int
+    lease_id: str
+    budget: BudgetCost
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,26 +176,32 @@ class RedisAccess:
             raise wrong_prefix_error()
         key_hash = hash_key(credential)
         cached = self._keys.get(key_hash)
-        lease_id = new_request_id()
+        ask = _Ask(model, estimated_tokens, new_request_id(), budget)
+        team_reply: scripts.AdmitReply | None = None
         try:
             self._failures.check_redis_up()
             key_id = cached.key_id if cached is not None else await self._store.find_id(key_hash)
             if key_id is None:
                 raise unknown_key_error()
-            reply = await scripts.admit_request(
-                self._pipe,
-                key_id=key_id,
-                key_hash=key_hash,
-                model=model,
-                estimated_tokens=estimated_tokens,
-                request_id=lease_id,
-                lease_ttl_ms=self._lease_ttl_ms,
-                window_ms=self._window_ms,
-                cached_version=cached.version if cached is not None else None,
-                budget_tokens=budget.tokens,
-                costs=budget.costs,
-                scripts=self._scripts,
-            )
+            guess = cached.team_id if cached is not None else None
+            if cached is None or guess is None:  # no team (as far as this instance knows): the one round trip
+                reply = await self._admit_one(key_id, key_hash, cached.version if cached is not None else None, ask)
+            else:  # the key's and its team's admissions in one pipelined round trip
+                reply, team_reply = await self._admit_pair(key_id, key_hash, cached, guess, ask)
+            if reply.record:
+                cached = self._keys.remember(key_hash, KeyRecord.from_hash(reply.record))
+            if reply.status == "invalid_api_key":
+                self._keys.forget(key_hash)
+            if reply.status != "ok" or cached is None:
+                await self._cancel_if_admitted(guess, team_reply, ask)
+                raise rejection(reply, cached.principal if cached is not None else None, model, estimated_tokens)
+            if cached.team_id != guess:  # the key's record names another team than this instance had cached
+                await self._cancel_if_admitted(guess, team_reply, ask)
+                team_reply = None
+                if cached.team_id is not None:
+                    team_reply = await self._admit_team_or_cancel(key_id, reply, cached, cached.team_id, ask)
+            if team_reply is not None:
+                team_reply = await self._check_team(key_id, reply, team_reply, cached, ask)
         except ScriptError as error:
             self._failures.note_script_error(error, request_id)
             raise
@@ -189,27 +209,155 @@ class RedisAccess:
             await self._failures.note_failure("admit", exc)
             principal = self._failures.without_redis(cached, model, exc, is_fresh=self._keys.is_fresh(cached))
             return Admission(
-                principal=principal, model=model, lease_id=lease_id, settles_late=True, request_id=request_id
+                principal=principal, model=model, lease_id=ask.lease_id, settles_late=True, request_id=request_id
             )
-        if reply.record:
-            cached = self._keys.remember(key_hash, KeyRecord.from_hash(reply.record))
-        if reply.status == "invalid_api_key":
-            self._keys.forget(key_hash)
-        if reply.status != "ok" or cached is None:
-            raise rejection(reply, cached.principal if cached is not None else None, model, estimated_tokens)
         cached.verified_at = time.monotonic()
+        team_is_late = team_reply is None or (
+            team_reply.leases_remaining != 0 and not (cached.team is not None and cached.team.reads_its_settles)
+        )
         return Admission(
             principal=cached.principal,
             model=model,
             reserved_tokens=scripts.clamp_tokens(estimated_tokens),
             budget_tokens=scripts.clamp_tokens(budget.tokens),
             reserved_micros=reply.reserved_micros,
-            lease_id=lease_id,
-            headers=rate_limit_headers(reply),
+            lease_id=ask.lease_id,
+            headers={**(rate_limit_headers(team_reply) if team_reply else {}), **rate_limit_headers(reply)},
             # See Admission.settles_late: a budget or TPM check reads the charge, the last free slot its lease.
-            settles_late=reply.leases_remaining != 0 and not cached.reads_its_settles,
+            settles_late=reply.leases_remaining != 0 and not cached.reads_its_settles and team_is_late,
             request_id=request_id,
+            team_id=cached.team_id if team_reply is not None else None,
+            team_reserved_micros=team_reply.reserved_micros if team_reply is not None else 0,
         )
+
+    # -- a key and its team: two admissions in two slots, both taken or neither ---------------------------------
+
+    def _command(self, state_id: str, key_hash: str, version: int | None, ask: _Ask) -> tuple[EncodableT, ...]:
+        return scripts.admit_command(
+            key_id=state_id,
+            key_hash=key_hash,
+            model=ask.model,
+            estimated_tokens=ask.estimated_tokens,
+            request_id=ask.lease_id,
+            lease_ttl_ms=self._lease_ttl_ms,
+            window_ms=self._window_ms,
+            cached_version=version,
+            budget_tokens=ask.budget.tokens,
+            costs=ask.budget.costs,
+            scripts=self._scripts,
+        )
+
+    async def _admit_one(self, state_id: str, key_hash: str, version: int | None, ask: _Ask) -> scripts.AdmitReply:
+        """One admission (a key's; a team's with `key_hash` ""), registering the script on NOSCRIPT."""
+        return await scripts.admit_request(
+            self._pipe,
+            key_id=state_id,
+            key_hash=key_hash,
+            model=ask.model,
+            estimated_tokens=ask.estimated_tokens,
+            request_id=ask.lease_id,
+            lease_ttl_ms=self._lease_ttl_ms,
+            window_ms=self._window_ms,
+            cached_version=version,
+            budget_tokens=ask.budget.tokens,
+            costs=ask.budget.costs,
+            scripts=self._scripts,
+        )
+
+    async def _admit_pair(
+        self, key_id: str, key_hash: str, cached: CachedKey, team_id: str, ask: _Ask
+    ) -> tuple[scripts.AdmitReply, scripts.AdmitReply]:
+        """The key's and the team's admissions queued together on the pipe (one write, one round trip on a single
+        server; one per node, in parallel, when a cluster puts the two slots on two nodes). When one fails for
+        Redis, the other is cancelled if it was admitted, and the failure raised."""
+        state_id = redis_names.team_state_id(team_id)
+        team_version = cached.team.version if cached.team is not None and cached.team.team_id == team_id else None
+        key_command = self._command(key_id, key_hash, cached.version, ask)
+        team_command = self._command(state_id, "", team_version, ask)
+        futures = (
+            self._pipe.submit(lambda: key_command, key=redis_names.key_record(key_id)),
+            self._pipe.submit(lambda: team_command, key=redis_names.team_record(team_id)),
+        )
+        raw = await asyncio.gather(*futures, return_exceptions=True)
+        replies: list[scripts.AdmitReply | None] = [None, None]
+        failure: StorageError | ScriptError | None = None
+        for i, (result, state, key, version) in enumerate(
+            zip(raw, (key_id, state_id), (key_hash, ""), (cached.version, team_version), strict=True)
+        ):
+            try:
+                if isinstance(result, NoScriptError):  # Redis restarted or was flushed: register and ask again
+                    replies[i] = await self._admit_one(state, key, version, ask)
+                elif isinstance(result, BaseException):
+                    raise scripts.classify_failure(result, self._scripts.admit) from result
+                else:
+                    replies[i] = scripts.admit_reply(result, self._scripts)
+            except (StorageError, ScriptError) as error:
+                failure = error
+        key_reply, team_reply = replies
+        if failure is not None or key_reply is None or team_reply is None:
+            if key_reply is not None and key_reply.status == "ok":
+                await self._cancel(key_id, key_reply, ask)
+            if team_reply is not None and team_reply.status == "ok":
+                await self._cancel(state_id, team_reply, ask)
+            assert failure is not None
+            raise failure
+        return key_reply, team_reply
+
+    async def _admit_team_or_cancel(
+        self, key_id: str, key_reply: scripts.AdmitReply, cached: CachedKey, team_id: str, ask: _Ask
+    ) -> scripts.AdmitReply:
+        """The team's admission after the key's (its team was not known before the key's reply): on a failure for
+        Redis the key's admission is cancelled before the failure is raised."""
+        version = cached.team.version if cached.team is not None and cached.team.team_id == team_id else None
+        try:
+            return await self._admit_one(redis_names.team_state_id(team_id), "", version, ask)
+        except (StorageError, ScriptError):
+            await self._cancel(key_id, key_reply, ask)
+            raise
+
+    async def _check_team(
+        self,
+        key_id: str,
+        key_reply: scripts.AdmitReply,
+        team_reply: scripts.AdmitReply,
+        cached: CachedKey,
+        ask: _Ask,
+    ) -> scripts.AdmitReply | None:
+        """Refresh the cached team from its reply; a refusal cancels the key's admission and raises (naming the
+        team). None: the team is gone (deleted under the key), so only the key's limits apply."""
+        if team_reply.status == "team_not_found":
+            cached.set_team(None)
+            return None
+        if team_reply.record:
+            cached.set_team(CachedTeam.from_hash(team_reply.record))
+        if team_reply.status != "ok":
+            await self._cancel(key_id, key_reply, ask)
+            name = cached.team.name if cached.team is not None else cached.team_id
+            raise rejection(team_reply, cached.principal, ask.model, ask.estimated_tokens, team_name=name or "")
+        return team_reply
+
+    async def _cancel_if_admitted(self, team_id: str | None, reply: scripts.AdmitReply | None, ask: _Ask) -> None:
+        if team_id is not None and reply is not None and reply.status == "ok":
+            await self._cancel(redis_names.team_state_id(team_id), reply, ask)
+
+    async def _cancel(self, state_id: str, reply: scripts.AdmitReply, ask: _Ask) -> None:
+        """Undo one half of an admission whose other half was refused. Best effort: if Redis cannot take it, the
+        entries age out (rate logs after the window, the lease and the budget hold after the lease ttl), which only
+        ever counts too much, never too little."""
+        try:
+            await scripts.cancel_admission(
+                self._pipe,
+                state_id=state_id,
+                request_id=ask.lease_id,
+                reserved_tokens=ask.estimated_tokens,
+                budget_tokens=ask.budget.tokens,
+                reserved_micros=reply.reserved_micros,
+                scripts=self._scripts,
+            )
+        except ScriptError as error:
+            self._failures.note_script_error(error, ask.lease_id)
+        except StorageError as exc:
+            await self._failures.note_failure("cancel_admission", exc)
 
     def begin_settle(self, admission: Admission, usage: SettleUsage) -> Awaitable[None]:
         """True up the reservation, release the concurrency lease and record usage and spend; queued on the

@@ -60,6 +60,8 @@ class Principal:
     is_master: bool = False
     models: tuple[str, ...] = ()
     team_id: str | None = None  # the key's team, whose limits and budgets also apply
+    team_models: tuple[str, ...] = ()  # the team's allowlist: a key in a team may use what both allow
+    team_name: str = ""
     weight: float = 1.0  # share of the local engine against other tenants (the team's weight when in a team)
     priority: Priority = "normal"  # class served ahead of (high) or behind (low) the fair share
 
@@ -69,7 +71,7 @@ class Principal:
         return self.team_id or self.key_id or "master"
 
     def may_use(self, model_id: str) -> bool:
-        return self.is_master or model_allowed(self.models, model_id)
+        return self.is_master or (model_allowed(self.models, model_id) and model_allowed(self.team_models, model_id))
 
 
 @dataclass(slots=True)
@@ -91,6 +93,10 @@ class Admission:
     # budget checks, the true token count of a TPM window, or the lease of the last free slot).
     settles_late: bool = False
     request_id: str = ""  # the gateway's request id (x-request-id), for logs
+    # The team admitted with the key (None: no team, or its admission could not be taken); the settle charges it
+    # the same usage and removes its own budget hold (`team_reserved_micros`: the team's worst-case cost).
+    team_id: str | None = None
+    team_reserved_micros: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,12 @@
 """The keys this instance has verified, by key hash: what `admit` sends the script (the key's id and record version,
-so a known key costs no GET) and what `authenticate` and a Redis outage are served from.
+so a known key costs no GET; its team and the team record's version, so a key in a team is admitted with its team
+in one round trip) and what `authenticate` and a Redis outage are served from.
 
 An entry is fresh for `ttl_s` after Redis last verified it. An admin's change to a key is published on
-`ug:events` (auth/store.py); the listener drops that key's entries at once, and after any gap in its subscription
-drops them all (events may have been missed).
+`ug:events` (auth/store.py) with the key's id, a change to a team (auth/teams.py) with the team's id; the listener
+drops the entries of that key, or of every key of that team, at once, and after any gap in its subscription drops
+them all (events may have been missed). Versions cover a missed event too: the scripts return a record whose
+version differs from the one sent.
 """
 
 from __future__ import annotations
@@ -11,20 +14,59 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
+import orjson
 from redis.exceptions import RedisError
 
 from auth import redis_names
-from auth.base import Principal
+from auth.base import Principal, Priority
 from auth.redis_client import RedisClient, subscribe
 from auth.rejections import expired_error, revoked_error
 from auth.store import KeyRecord
 from auth.upstream import cancel_until_done
 
-__all__ = ["CachedKey", "KeyCache"]
+__all__ = ["CachedKey", "CachedTeam", "KeyCache"]
 
 _MAX_CACHED_KEYS = 10_000
+
+
+def _priority(value: str | None) -> Priority:
+    return "high" if value == "high" else "low" if value == "low" else "normal"
+
+
+def _reads_its_settles(*limits: int | None) -> bool:
+    """A budget or a TPM limit: the next admission (on any instance) reads what the settles write."""
+    return any(limit is not None and limit >= 0 for limit in limits)
+
+
+@dataclass(frozen=True, slots=True)
+class CachedTeam:
+    """What admission and the principal need of a key's team record."""
+
+    team_id: str
+    version: int
+    name: str
+    models: tuple[str, ...]
+    weight: float
+    priority: Priority
+    reads_its_settles: bool
+
+    @classmethod
+    def from_hash(cls, raw: Mapping[str, str]) -> CachedTeam:
+        def limit(name: str) -> int | None:
+            return int(raw[name]) if raw.get(name) else None
+
+        return cls(
+            team_id=raw["id"],
+            version=int(raw.get("version") or 0),
+            name=raw.get("name", ""),
+            models=tuple(orjson.loads(raw.get("models") or "[]")),
+            weight=float(raw.get("weight") or 1.0),
+            priority=_priority(raw.get("priority")),
+            reads_its_settles=_reads_its_settles(limit("tpm"), limit("token_budget"), limit("budget_micros")),
+        )
 
 
 @dataclass(slots=True)
@@ -37,6 +79,20 @@ class CachedKey:
     verified_at: float  # monotonic time of the last verification against Redis
     # A budget or a TPM limit: the next admission (on any instance) reads what this key's settles write.
     reads_its_settles: bool = False
+    team_id: str | None = None  # the team the key's record names
+    team: CachedTeam | None = None  # that team's record, once an admission has returned it
+    own: Principal | None = None  # the principal from the key's record alone (`principal` adds the team's)
+
+    def set_team(self, team: CachedTeam | None) -> None:
+        """The key's team record as an admission returned it (None: the team is gone); the principal follows."""
+        self.team = team
+        own = self.own or self.principal
+        if team is None:
+            self.principal = own
+        else:
+            self.principal = replace(
+                own, team_models=team.models, team_name=team.name, weight=team.weight, priority=team.priority
+            )
 
     def check(self) -> None:
         """Raise if the cached record itself says no (used when Redis cannot be asked)."""
@@ -66,18 +122,28 @@ class KeyCache:
 
     def remember(self, key_hash: str, record: KeyRecord) -> CachedKey:
         """Cache `record` as verified now (replacing what was cached under `key_hash`)."""
+        own = Principal(
+            key_id=record.id,
+            name=record.name,
+            models=record.models,
+            team_id=record.team_id,
+            weight=record.weight,
+            priority=_priority(record.priority),
+        )
         cached = CachedKey(
             key_id=record.id,
             version=record.version,
-            principal=Principal(key_id=record.id, name=record.name, models=record.models),
+            principal=own,
             expires_at_ms=record.expires_at_ms,
             is_revoked=record.is_revoked,
             verified_at=time.monotonic(),
-            reads_its_settles=any(
-                limit is not None and limit >= 0 for limit in (record.tpm, record.token_budget, record.budget_micros)
-            ),
+            reads_its_settles=_reads_its_settles(record.tpm, record.token_budget, record.budget_micros),
+            team_id=record.team_id,
+            own=own,
         )
-        self._entries.pop(key_hash, None)
+        old = self._entries.pop(key_hash, None)
+        if old is not None and old.team is not None and old.team_id == record.team_id:
+            cached.set_team(old.team)  # the team's record did not change with the key's
         if len(self._entries) >= _MAX_CACHED_KEYS:
             del self._entries[next(iter(self._entries))]
         self._entries[key_hash] = cached
@@ -87,9 +153,9 @@ class KeyCache:
         """Drop a hash Redis no longer knows (a rotated or deleted key)."""
         self._entries.pop(key_hash, None)
 
-    def invalidate(self, key_id: str) -> None:
-        """Drop every entry of a key that changed."""
-        for key_hash in [h for h, cached in self._entries.items() if cached.key_id == key_id]:
+    def invalidate(self, changed_id: str) -> None:
+        """Drop every entry of a key that changed, or of every key of a team that changed."""
+        for key_hash in [h for h, c in self._entries.items() if changed_id in (c.key_id, c.team_id)]:
             del self._entries[key_hash]
 
     def start(self) -> None:

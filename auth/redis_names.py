@@ -72,6 +72,7 @@ __all__ = [
     "request_log_index",
     "request_log_index_prefix",
     "session",
+    "state_record",
     "team_members",
     "team_prefix",
     "team_record",
@@ -112,6 +113,13 @@ def team_prefix(team_id: str) -> str:
 def team_state_id(team_id: str) -> str:
     """The id a team's own state is named under by the `key_*` functions: `key_rpm_log(team_state_id(t))`."""
     return f"team:{team_id}"
+
+
+def state_record(state_id: str) -> str:
+    """The record whose limits govern a state id: a team's for "team:<id>", else the key's."""
+    if state_id.startswith("team:"):
+        return team_record(state_id[5:])
+    return key_record(state_id)
 
 
 def team_record(team_id: str) -> str:

@@ -1,5 +1,6 @@
-"""What a refused key or request is told: the errors of an admission the `admit_request` script refused, of a key
-whose cached record says no, and OpenAI's `x-ratelimit-*` headers. Pure functions of the script's reply."""
+"""What a refused key or request is told: the errors of an admission the `admit_request` script refused (the key's
+own, or its team's: then the message names the team), of a key whose cached record says no, and OpenAI's
+`x-ratelimit-*` headers. Pure functions of the script's reply."""
 
 from __future__ import annotations
 
@@ -59,14 +60,31 @@ def rate_limit_headers(reply: AdmitReply) -> dict[str, str]:
     return headers
 
 
-def rejection(reply: AdmitReply, principal: Principal | None, model: str, estimated_tokens: int) -> GatewayError:
-    """The error for a reply whose status is not `ok` (`principal`: the key's, when known, for its allowlist)."""
+def rejection(
+    reply: AdmitReply,
+    principal: Principal | None,
+    model: str,
+    estimated_tokens: int,
+    *,
+    team_name: str | None = None,
+) -> GatewayError:
+    """The error for a reply whose status is not `ok` (`principal`: the key's, when known, for its allowlist).
+    `team_name` given: the reply is the key's team's, and the message says it was the team's limit."""
     status, retry_ms = reply.status, reply.retry_after_ms
     if status == "key_revoked":
         return revoked_error()
     if status == "key_expired":
         return expired_error()
+    scope = "this API key" if team_name is None else f"team '{team_name}'"
     if status == "model_not_allowed":
+        if team_name is not None:
+            allowed = ", ".join(principal.team_models) if principal is not None else "(see the team's settings)"
+            return PermissionDeniedError(
+                f"This API key's team '{team_name}' may not use model '{model}'. The team's allowed models: "
+                f"{allowed}. Ask the gateway admin to add it to the team.",
+                code="model_not_allowed",
+                param="model",
+            )
         allowed = ", ".join(principal.models) if principal is not None else "(see the key's settings)"
         return PermissionDeniedError(
             f"This API key may not use model '{model}'. Allowed models: {allowed}. Ask the gateway admin to add it.",
@@ -74,34 +92,46 @@ def rejection(reply: AdmitReply, principal: Principal | None, model: str, estima
             param="model",
         )
     if status == "budget_exceeded":
-        return _budget_error(reply)
+        return _budget_error(reply, team_name)
     if status == "concurrency_limit_exceeded":
+        shared = "" if team_name is None else ", shared by the team's keys"
         return LimitError(
-            "Too many concurrent requests for this API key (max_concurrent). Wait for one to finish and retry.",
+            f"Too many concurrent requests for {scope} (max_concurrent{shared}). Wait for one to finish and retry.",
             code="concurrency_limit_exceeded",
             headers=_retry_after(retry_ms),
         )
     headers = {**_retry_after(retry_ms), **rate_limit_headers(reply)}
     if status == "rate_limit_exceeded":
+        what = (
+            f"{reply.rpm_limit} requests per minute for this API key"
+            if team_name is None
+            else f"team '{team_name}' rpm limit of {reply.rpm_limit} requests per minute, shared by the team's keys"
+        )
         return LimitError(
-            f"Rate limit reached: {reply.rpm_limit} requests per minute for this API key. "
-            f"Retry after {headers['retry-after']} s.",
+            f"Rate limit reached: {what}. Retry after {headers['retry-after']} s.",
             code="rate_limit_exceeded",
             headers=headers,
         )
     if status == "tokens_limit_exceeded":
+        limit = (
+            f"this key's whole limit of {reply.tpm_limit} tokens per minute"
+            if team_name is None
+            else f"team '{team_name}' whole tpm limit of {reply.tpm_limit} tokens per minute"
+        )
         if estimated_tokens > reply.tpm_limit:
             # Waiting never helps: no retry hint (the headers still say what is left in the window).
             return LimitError(
-                f"This request may use up to {estimated_tokens} tokens, more than this key's whole limit of "
-                f"{reply.tpm_limit} tokens per minute, so it can never fit. Lower max_tokens or shorten the prompt.",
+                f"This request may use up to {estimated_tokens} tokens, more than {limit}, so it can never fit. "
+                "Lower max_tokens or shorten the prompt.",
                 code="tokens_limit_exceeded",
                 headers=rate_limit_headers(reply),
             )
-        message = (
-            f"Token rate limit reached: {reply.tpm_limit} tokens per minute for this API key. "
-            f"Retry after {headers['retry-after']} s, or lower max_tokens."
+        what = (
+            f"{reply.tpm_limit} tokens per minute for this API key"
+            if team_name is None
+            else f"team '{team_name}' tpm limit of {reply.tpm_limit} tokens per minute, shared by the team's keys"
         )
+        message = f"Token rate limit reached: {what}. Retry after {headers['retry-after']} s, or lower max_tokens."
         return LimitError(message, code="tokens_limit_exceeded", headers=headers)
     return unknown_key_error()
 
@@ -110,7 +140,7 @@ def _usd(micros: int) -> str:
     return f"${micros / 1e6:,.6f}".rstrip("0").rstrip(".")
 
 
-def _budget_error(reply: AdmitReply) -> BudgetExceededError:
+def _budget_error(reply: AdmitReply, team_name: str | None) -> BudgetExceededError:
     retry_ms = reply.retry_after_ms
     left = max(reply.budget_limit - reply.budget_spent - reply.budget_held, 0)
     if reply.budget_unit == "micros":
@@ -124,8 +154,11 @@ def _budget_error(reply: AdmitReply) -> BudgetExceededError:
         f"flight) and this request may cost up to {need}"
     )
     period = " in this budget period" if retry_ms else ""
+    owner, whose = (
+        ("This API key's", "") if team_name is None else (f"This API key's team '{team_name}'", "the team's ")
+    )
     return BudgetExceededError(
-        f"This API key's {what}{period}. Lower max_tokens or n, wait for requests in flight, or ask the gateway "
-        f"admin to raise `{field_name}`" + (" or wait for the budget period to reset." if retry_ms else "."),
+        f"{owner} {what}{period}. Lower max_tokens or n, wait for requests in flight, or ask the gateway "
+        f"admin to raise {whose}`{field_name}`" + (" or wait for the budget period to reset." if retry_ms else "."),
         headers=_retry_after(retry_ms) if retry_ms else {},
     )

@@ -60,8 +60,11 @@ __all__ = [
     "StorageError",
     "Target",
     "acquire_upstream",
+    "admit_command",
+    "admit_reply",
     "admit_request",
     "as_text",
+    "cancel_admission",
     "classify_failure",
     "register_all",
     "release_upstream",
@@ -239,10 +242,11 @@ class ScriptSet:
         self.acquire = LuaScript("acquire_upstream", clock_key=clock_key)
         self.release = LuaScript("release_upstream", clock_key=clock_key)
         self.update = LuaScript("update_key", clock_key=clock_key)
+        self.cancel = LuaScript("cancel_admission", clock_key=clock_key)
 
     @property
     def all(self) -> tuple[LuaScript, ...]:
-        return (self.admit, self.settle, self.acquire, self.release, self.update)
+        return (self.admit, self.settle, self.acquire, self.release, self.update, self.cancel)
 
 
 DEFAULT_SCRIPTS = ScriptSet()
@@ -290,6 +294,35 @@ def clamp_micros(value: int) -> int:
     return min(max(int(value), 0), 2**50)
 
 
+def _admit_keys_and_args(
+    *,
+    state_id: str,
+    key_hash: str,
+    model: str,
+    estimated_tokens: int,
+    request_id: str,
+    lease_ttl_ms: int,
+    window_ms: int,
+    cached_version: int | None,
+    budget_tokens: int,
+    costs: Sequence[tuple[str, int]],
+) -> tuple[tuple[str, ...], list[EncodableT]]:
+    keys = (
+        redis_names.state_record(state_id),
+        redis_names.key_rpm_log(state_id),
+        redis_names.key_tpm_log(state_id),
+        redis_names.key_tpm_sum(state_id),
+        redis_names.key_leases(state_id),
+        redis_names.key_holds(state_id),
+    )
+    version = "" if cached_version is None else str(cached_version)
+    args: list[EncodableT] = [key_hash, model, clamp_tokens(estimated_tokens), request_id, lease_ttl_ms, window_ms]
+    args += (version, clamp_tokens(budget_tokens))
+    for cost_model, micros in costs or ((model, 0),):
+        args += (cost_model, clamp_micros(micros))
+    return keys, args
+
+
 async def admit_request(
     redis: Target,
     *,
@@ -306,25 +339,82 @@ async def admit_request(
     scripts: ScriptSet = DEFAULT_SCRIPTS,
 ) -> AdmitReply:
     """`budget_tokens` and `costs` ((model, worst-case micros) of the requested model, then its fallbacks) are
-    what a budgeted key reserves; the script holds the highest cost among the models the key may use."""
-    keys = (
-        redis_names.key_record(key_id),
-        redis_names.key_rpm_log(key_id),
-        redis_names.key_tpm_log(key_id),
-        redis_names.key_tpm_sum(key_id),
-        redis_names.key_leases(key_id),
-        redis_names.key_holds(key_id),
+    what a budgeted key reserves; the script holds the highest cost among the models the key may use. `key_id`
+    may be a team's state id (`redis_names.team_state_id`) with `key_hash` "": the team's admission."""
+    keys, args = _admit_keys_and_args(
+        state_id=key_id,
+        key_hash=key_hash,
+        model=model,
+        estimated_tokens=estimated_tokens,
+        request_id=request_id,
+        lease_ttl_ms=lease_ttl_ms,
+        window_ms=window_ms,
+        cached_version=cached_version,
+        budget_tokens=budget_tokens,
+        costs=costs,
     )
-    version = "" if cached_version is None else str(cached_version)
-    args: list[EncodableT] = [key_hash, model, clamp_tokens(estimated_tokens), request_id, lease_ttl_ms, window_ms]
-    args += (version, clamp_tokens(budget_tokens))
-    for cost_model, micros in costs or ((model, 0),):
-        args += (cost_model, clamp_micros(micros))
-    reply = await scripts.admit(redis, keys, args)
+    return admit_reply(await scripts.admit(redis, keys, args), scripts)
+
+
+def admit_command(
+    *,
+    key_id: str,
+    key_hash: str,
+    model: str,
+    estimated_tokens: int,
+    request_id: str,
+    lease_ttl_ms: int,
+    window_ms: int,
+    cached_version: int | None,
+    budget_tokens: int = 0,
+    costs: Sequence[tuple[str, int]] = (),
+    scripts: ScriptSet = DEFAULT_SCRIPTS,
+) -> tuple[EncodableT, ...]:
+    """The EVALSHA of `admit_request`, for `CommandPipe.submit` (so that a key's and its team's admissions go out
+    in one write); its reply goes to `admit_reply`. A NOSCRIPT reply means: call `admit_request` (it registers)."""
+    keys, args = _admit_keys_and_args(
+        state_id=key_id,
+        key_hash=key_hash,
+        model=model,
+        estimated_tokens=estimated_tokens,
+        request_id=request_id,
+        lease_ttl_ms=lease_ttl_ms,
+        window_ms=window_ms,
+        cached_version=cached_version,
+        budget_tokens=budget_tokens,
+        costs=costs,
+    )
+    return ("EVALSHA", scripts.admit.sha, len(keys), *keys, *args)
+
+
+def admit_reply(reply: Any, scripts: ScriptSet = DEFAULT_SCRIPTS) -> AdmitReply:
+    """An `admit_request` reply, parsed (a reply we cannot read is a `ScriptError`)."""
     try:
         return _admit_reply(reply)
     except (ValueError, TypeError, IndexError) as exc:
         raise classify_failure(exc, scripts.admit) from exc
+
+
+async def cancel_admission(
+    redis: Target,
+    *,
+    state_id: str,
+    request_id: str,
+    reserved_tokens: int,
+    budget_tokens: int,
+    reserved_micros: int,
+    scripts: ScriptSet = DEFAULT_SCRIPTS,
+) -> int:
+    """Undo an admission of `state_id` (a key's id or a team's state id) for a request that will not run."""
+    keys = (
+        redis_names.key_rpm_log(state_id),
+        redis_names.key_tpm_log(state_id),
+        redis_names.key_tpm_sum(state_id),
+        redis_names.key_leases(state_id),
+        redis_names.key_holds(state_id),
+    )
+    hold = f"{request_id}|{clamp_tokens(budget_tokens)}|{clamp_micros(reserved_micros)}"
+    return int(await scripts.cancel(redis, keys, (request_id, clamp_tokens(reserved_tokens), hold)))
 
 
 def _admit_reply(reply: Any) -> AdmitReply:
@@ -370,7 +460,7 @@ def _settle_keys_and_args(
     key_id: str, items: Sequence[SettleItem], window_ms: int, marker_ttl_ms: int, usage_retention_s: int
 ) -> tuple[list[str], list[EncodableT]]:
     keys = [
-        redis_names.key_record(key_id),
+        redis_names.state_record(key_id),
         redis_names.key_tpm_log(key_id),
         redis_names.key_tpm_sum(key_id),
         redis_names.key_leases(key_id),

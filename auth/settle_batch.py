@@ -1,16 +1,20 @@
 """Settles on the command pipe, batched per key: the settles of one key queued before the pipe writes its next batch
 share one `settle_request` script call, so the record and usage updates cost Redis once per batch (at c=32 on one
-key that halved Redis' time per request). A settle never fails for Redis: one Redis could not take is kept by
-`SettleRetries` (auth/settle_retry.py) and sent again once Redis answers.
+key that halved Redis' time per request). A request admitted with its key's team is settled twice with the same
+usage, on the key and on the team (the team's state under its own names, the same script, idempotent per request
+id on each), both queued before `begin` returns, so they go out in the same pipelined write. A settle never fails
+for Redis: one Redis could not take is kept by `SettleRetries` (auth/settle_retry.py) and sent again once Redis
+answers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from redis.exceptions import NoScriptError, RedisError
 from redis.typing import EncodableT
@@ -29,6 +33,12 @@ __all__ = ["SettleBatcher"]
 _MARKER_TTL_MS = 120_000  # a retried settle within 2 min is a no-op (one small key per request, so keep it short)
 _USAGE_RETENTION_S = 400 * 86_400
 _MAX_SETTLE_BATCH = 128  # requests per settle script call (it runs atomically, so keep each call short)
+
+
+def _done() -> asyncio.Future[None]:
+    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    future.set_result(None)
+    return future
 
 
 @dataclass(slots=True)
@@ -63,15 +73,13 @@ class SettleBatcher:
 
     def begin(self, admission: Admission, usage: SettleUsage) -> Awaitable[None]:
         """Queue the settle on the command pipe before returning (see `AccessControl.begin_settle`)."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
         if admission.is_settled:
-            future.set_result(None)
-            return future
+            return _done()
         admission.is_settled = True
         key_id = admission.principal.key_id or redis_names.MASTER_ID
+        request_id = admission.lease_id or new_request_id()
         item = scripts.SettleItem(
-            request_id=admission.lease_id or new_request_id(),
+            request_id=request_id,
             reserved_tokens=admission.reserved_tokens,
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,
@@ -82,20 +90,32 @@ class SettleBatcher:
             reserved_micros=admission.reserved_micros,
             is_estimated=usage.is_estimated,
         )
-        if self._failures.is_down():  # known down: keep it for when Redis answers again
-            self._retries.keep(key_id, [item])
-            future.set_result(None)
-            return future
-        batch = self._open.get(key_id)
+        settles = [(key_id, item)]
+        if admission.team_id is not None:
+            team_item = dataclasses.replace(item, reserved_micros=admission.team_reserved_micros)
+            settles.append((redis_names.team_state_id(admission.team_id), team_item))
+        if self._failures.is_down():  # known down: keep them for when Redis answers again
+            for state_id, queued in settles:
+                self._retries.keep(state_id, [queued])
+            return _done()
+        futures = [self._queue(state_id, queued, admission.request_id) for state_id, queued in settles]
+        if len(futures) == 1:
+            return futures[0]
+        return cast(Awaitable[None], asyncio.gather(*futures))
+
+    def _queue(self, state_id: str, item: scripts.SettleItem, request_id: str) -> asyncio.Future[None]:
+        """Add one settle to the open batch of its state id (a key's id or a team's), opening one if needed."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        batch = self._open.get(state_id)
         if batch is None or len(batch.items) >= _MAX_SETTLE_BATCH:
-            self._open[key_id] = batch = _SettleBatch(key_id)
+            self._open[state_id] = batch = _SettleBatch(state_id)
             build = functools.partial(self._settle_command, batch)
-            reply = self._pipe.submit(build, key=redis_names.key_record(key_id))
+            reply = self._pipe.submit(build, key=redis_names.state_record(state_id))
             task = asyncio.ensure_future(self._finish(batch, reply))
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
         batch.items.append(item)
-        batch.request_ids.append(admission.request_id)
+        batch.request_ids.append(request_id)
         batch.futures.append(future)
         return future
 

@@ -1,13 +1,16 @@
--- admit_request: verify a key and apply all of its limits atomically, in the one round trip of the hot path.
+-- admit_request: verify a key and apply all of its limits atomically, in the one round trip of the hot path; or
+-- (ARGV[1] empty) apply a team's limits, which are the same, to a request of one of its keys.
 --
--- KEYS[1]  ug:{id}:key       hash   the key record
+-- KEYS[1]  ug:{id}:key       hash   the key record (a team's: ug:{team:<id>}:team, and every name below under
+--                                   that tag)
 -- KEYS[2]  ug:{id}:rpm       zset   request log: member request id, score admit time (ms)
 -- KEYS[3]  ug:{id}:tpm       zset   token log: member "<request id>|<tokens>", score reservation time (ms)
 -- KEYS[4]  ug:{id}:tpm_sum   string tokens currently in KEYS[3]
 -- KEYS[5]  ug:{id}:leases    zset   concurrency leases: member request id, score expiry (ms)
 -- KEYS[6]  ug:{id}:holds     zset   budget reservations of requests in flight: member
 --                                   "<request id>|<tokens>|<micros>", score expiry (ms)
--- ARGV[1]  hex SHA-256 of the presented secret (must equal the record's key_hash: a rotated key stops here)
+-- ARGV[1]  hex SHA-256 of the presented secret (must equal the record's key_hash: a rotated key stops here); ""
+--          for a team (its record has no secret, no revocation and no expiry, so those checks pass by themselves)
 -- ARGV[2]  model id
 -- ARGV[3]  estimated tokens to reserve (prompt estimate + max_tokens)
 -- ARGV[4]  request id (rate-log member, lease member, settle marker)
@@ -21,7 +24,7 @@
 -- Returns {status, version, record, rpm_limit, rpm_remaining, rpm_reset_ms, tpm_limit, tpm_remaining,
 --          tpm_reset_ms, retry_after_ms, leases_remaining, budget_spent, budget_limit, budget_unit,
 --          budget_held, budget_needed, reserved_micros}
---   status: "ok" | "invalid_api_key" | "key_revoked" | "key_expired" | "model_not_allowed" | "budget_exceeded"
+--   status: "ok" | "invalid_api_key" | "team_not_found" (a team's record is gone) | "key_revoked" | "key_expired" | "model_not_allowed" | "budget_exceeded"
 --           | "concurrency_limit_exceeded" | "rate_limit_exceeded" | "tokens_limit_exceeded"
 --   record: the record as a flat HGETALL list when ARGV[7] differs from its version, else {} (cache refresh)
 --   limits are -1 when the key has none; remaining counts are after this request (leases_remaining: concurrency
@@ -50,8 +53,10 @@ local holds_key, budget_tokens = KEYS[6], tonumber(ARGV[8]) or 0
 
 local fields = redis.call('HMGET', record_key, 'key_hash', 'revoked', 'expires_at', 'models', 'rpm', 'tpm',
   'max_concurrent', 'token_budget', 'budget_period', 'period_key', 'period_spent', 'tokens_spent', 'version',
-  'budget_micros', 'period_spend_micros', 'spend_micros')
-if not fields[1] or fields[1] ~= key_hash then
+  'budget_micros', 'period_spend_micros', 'spend_micros', 'id')
+if key_hash == '' then
+  if not fields[17] then return {'team_not_found', 0, {}, -1, -1, 0, -1, -1, 0, 0, -1, 0, 0, '', 0, 0, 0} end
+elseif not fields[1] or fields[1] ~= key_hash then
   return {'invalid_api_key', 0, {}, -1, -1, 0, -1, -1, 0, 0, -1, 0, 0, '', 0, 0, 0}
 end
 
