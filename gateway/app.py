@@ -19,6 +19,7 @@ from starlette.routing import BaseRoute
 
 from auth.access import RedisAccess
 from auth.base import AccessControl, MasterKeyAccess, NoUpstreamLimit, UpstreamLimiter
+from auth.request_log import RequestLog
 from backends.base import Backend
 from gateway.access_metrics import AccessStatsCollector
 from gateway.deployments import build_backend
@@ -31,6 +32,7 @@ from gateway.routes import anthropic, health_routes, openai_routes, responses
 from gateway.routes.ui import console_routes
 from gateway.routing_config import RoutingConfig, default_routing, load_routing
 from gateway.settings import Settings
+from gateway.tracing import Tracing, tracing_from_env
 
 __all__ = ["create_app", "load_routing_for"]
 
@@ -52,19 +54,24 @@ def create_app(
     routing: RoutingConfig | None = None,
     extra_routes: Sequence[BaseRoute] = (),
     on_shutdown: Sequence[Callable[[], Awaitable[None]]] = (),
+    request_log: RequestLog | None = None,
+    tracing: Tracing | None = None,
 ) -> Starlette:
     """Build the gateway. The routing file is validated here, so a bad one fails before the server starts.
 
     `backends` maps deployment names to ready backends (used instead of building them; the caller owns and
     closes those). `extra_routes` mounts further routes (admin). The lifespan starts `access` (when it has an async
     `start()`), builds the remaining backends and the router, and on shutdown closes backends, then `access`, then
-    runs `on_shutdown` (e.g. stopping an embedded Redis). `upstream_limiter` caps each deployment's requests in
+    runs `on_shutdown` (e.g. stopping an embedded Redis). `request_log` (auth/request_log.py) gets one record per
+    model request, written in the background; `tracing` defaults to what the `OTEL_*` variables ask for
+    (gateway/tracing.py: off unless an OTLP endpoint is set). `upstream_limiter` caps each deployment's requests in
     flight (`max_in_flight`); by default that of a `RedisAccess` (closed with it), else none.
     """
     routing = routing if routing is not None else load_routing_for(settings)
     access = access if access is not None else _default_access(settings)
     upstream_limiter = upstream_limiter if upstream_limiter is not None else _default_upstream_limiter(access)
     provided = dict(backends or {})
+    tracing = tracing if tracing is not None else tracing_from_env()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -73,6 +80,8 @@ def create_app(
         start = getattr(access, "start", None)
         if start is not None:
             await start()
+        if request_log is not None:
+            request_log.start()
         try:
             for model in routing.models:
                 for deployment in model.deployments:
@@ -88,7 +97,7 @@ def create_app(
             yield
         finally:
             # Shutdown (after the server stopped accepting and in-flight requests finished or were cut):
-            # 0. stop the health probes; 1. close the upstream pools and engines we built; 2. close access control.
+            # 0. stop the health probes; 1. close the upstream pools and engines we built;
             if prober is not None:
                 await prober.stop()
             for name, backend in built.items():
@@ -96,8 +105,13 @@ def create_app(
                     await backend.aclose()
                 except Exception:
                     logger.exception("closing backend %s failed", name)
+            # 2. write the request log's last records and export the last spans; 3. close access control.
+            if request_log is not None:
+                await request_log.aclose()
+            if tracing is not None:
+                tracing.shutdown()
             await access.aclose()
-            # 3. stop what the caller asked us to (the embedded Redis goes last: access may still flush to it).
+            # 4. stop what the caller asked us to (the embedded Redis goes last: access may still flush to it).
             for hook in on_shutdown:
                 await hook()
 
@@ -108,7 +122,7 @@ def create_app(
     metrics.registry.register(AccessStatsCollector(access))
     app = Starlette(
         routes=[*openai_routes(), *anthropic.routes(), *responses.routes(), *health_routes(), *extra_routes, *console],
-        middleware=build_middleware(settings, metrics),
+        middleware=build_middleware(settings, metrics, request_log=request_log, tracing=tracing),
         exception_handlers={HTTPException: http_exception_handler},
         lifespan=lifespan,
     )
@@ -120,6 +134,7 @@ def create_app(
     app.state.routing = routing
     app.state.metrics = metrics
     app.state.started_at = time.time()
+    app.state.request_log = request_log
     return app
 
 

@@ -20,6 +20,7 @@ from starlette.types import Receive
 from auth.base import AccessControl, Principal, UpstreamLimiter, extract_credential
 from backends.base import FORWARDED_HEADERS
 from gateway.metrics import GatewayMetrics
+from gateway.request_trace import RequestTrace
 from gateway.router import Router
 from gateway.settings import Settings
 
@@ -58,6 +59,8 @@ async def call_context(request: Request) -> CallContext:
     credential = extract_credential(request.headers)
     principal = await access.authenticate(credential)
     request_state = request.scope.setdefault("state", {})
+    if (trace := RequestTrace.of(request_state)) is not None:
+        trace.authenticated(principal)  # its record says whose request it was (gateway/request_trace.py)
     return CallContext(
         settings=state.settings,
         access=access,

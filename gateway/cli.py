@@ -72,10 +72,12 @@ def _settings(**overrides: Any) -> Settings:
 def _register_command_groups() -> None:
     from bench.cli import register as register_bench
     from gateway.keys_cli import register as register_keys
+    from gateway.requests_cli import register as register_requests
     from gateway.teams_cli import register as register_teams
 
     register_keys(app)  # unigate keys create|list|show|update|rotate|revoke|usage
     register_teams(app)  # unigate teams create|list|show|update|delete|usage
+    register_requests(app)  # unigate requests list|show|tail
     register_bench(app)  # unigate bench [compare], doctor, kv-plan
 
 

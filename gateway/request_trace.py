@@ -64,6 +64,7 @@ class RequestTrace:
     ttft_s: float | None = None
     usage: SettleUsage | None = None
     num_cached_tokens: int = 0
+    error_code: str = ""  # the envelope's code, also for an error after a stream started ("" : none)
     tracing: Tracing | None = None
     span: Span | None = None  # the request's root span (tracing on)
     _attempt_span: Span | None = None
@@ -160,6 +161,11 @@ class RequestTrace:
                 _set_error(span, code)
             span.end()
 
+    def failed(self, code: str) -> None:
+        """The request failed with this error code (the first one noted stays: a later one is its echo)."""
+        if not self.error_code:
+            self.error_code = code
+
     def answered(self, deployment: str, served_model: str) -> None:
         self.deployment, self.served_model = deployment, served_model
 
@@ -186,8 +192,9 @@ class RequestTrace:
 
     # -- the end -----------------------------------------------------------------------------------------------------
 
-    def finish(self, *, request_id: str, route: str, status: int, code: str, client_left: bool) -> RequestRecord | None:
+    def finish(self, *, request_id: str, route: str, status: int, client_left: bool) -> RequestRecord | None:
         """End the spans; the request log's record (None for a request whose key was never verified)."""
+        code = self.error_code or ("client_disconnected" if client_left else "")
         duration_s = time.perf_counter() - self.started_perf
         for span in (self._attempt_span, self._stream_span, self._settle_span):
             if span is not None:

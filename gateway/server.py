@@ -55,8 +55,10 @@ def build_app(settings: Settings) -> Starlette:
     from auth.access import AccessConfig, RedisAccess
     from auth.embedded_redis import RedisConnection
     from auth.master_key import resolve_master_key
+    from auth.request_log import RequestLog
     from auth.store import KeyStore
     from gateway.routes.admin import admin_routes
+    from gateway.routes.requests import request_log_routes
 
     connection = RedisConnection(settings.redis_url, settings.data_dir, timeout_s=settings.limits.redis_timeout_s)
     redis = connection.start()
@@ -67,12 +69,19 @@ def build_app(settings: Settings) -> Starlette:
         lease_ttl_s=settings.limits.lease_ttl_s,
     )
     access = RedisAccess(redis, config=config, master_key=master_key)
+    log_settings = settings.request_log
+    request_log = (
+        RequestLog(redis, retention_days=log_settings.retention_days, max_len=log_settings.max_records)
+        if log_settings.enabled
+        else None
+    )
     app = create_app(
         settings,
         access=access,
         upstream_limiter=access.upstream_limiter,
-        extra_routes=admin_routes(),
+        extra_routes=[*admin_routes(), *request_log_routes()],
         on_shutdown=[connection.stop],
+        request_log=request_log,
     )
     app.state.key_store = KeyStore(redis)
     app.state.master_key = master_key

@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import ClientDisconnectedError, GatewayError, NotFoundError, render_anthropic, render_openai
 from gateway.metrics import GatewayMetrics
+from gateway.request_trace import RequestTrace
 from gateway.security_headers import SECURITY_HEADERS
 from gateway.translate.anthropic_meta import anthropic_headers
 
@@ -85,6 +86,8 @@ class ErrorMiddleware:
             self._client_gone(scope, is_started)
         except GatewayError as error:
             self.metrics.errors.labels(error.code).inc()
+            if (trace := RequestTrace.of(scope.get("state"))) is not None:
+                trace.failed(error.code)
             if is_started:
                 logger.warning("error after the response started: %s (%s)", error.code, error.message)
                 return
@@ -92,6 +95,8 @@ class ErrorMiddleware:
         except Exception:
             logger.exception("unhandled error")
             self.metrics.errors.labels("internal_error").inc()
+            if (trace := RequestTrace.of(scope.get("state"))) is not None:
+                trace.failed("internal_error")
             if is_started:
                 return
             request_id = (scope.get("state") or {}).get("request_id", "")

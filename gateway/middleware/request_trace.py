@@ -2,7 +2,8 @@
 one request-log record (for requests that got past authentication) and, with tracing on, its spans exported.
 
 What only the end knows comes from here: the status the client got (499 when it left first), the error code the
-envelope carried (also for an error after a stream started: the error middleware notes it), and the time end to
+envelope carried (noted in the trace by the error middleware, and by the pipeline for an error after a stream
+started), and the time end to
 end. Adding the record never waits: the log writes in batches off the hot path (auth/request_log.py). Requests
 without a verified key (401s) have no record: nothing would say whose they were, and a flood of them must not
 fill the log.
@@ -17,9 +18,7 @@ from gateway.errors import ClientDisconnectedError
 from gateway.request_trace import RequestTrace
 from gateway.tracing import Tracing
 
-__all__ = ["ERROR_CODE_STATE", "RequestTraceMiddleware"]
-
-ERROR_CODE_STATE = "error_code"  # the scope-state entry the error middleware fills with the envelope's code
+__all__ = ["RequestTraceMiddleware"]
 
 
 class RequestTraceMiddleware:
@@ -29,8 +28,8 @@ class RequestTraceMiddleware:
         self.tracing = tracing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)  # health checks, metrics, admin, console: not model requests
             return
         trace = RequestTrace.begin(scope, self.tracing)
         status = 0
@@ -48,12 +47,10 @@ class RequestTraceMiddleware:
             client_left = bool(state.get("client_disconnected"))
             if not status:
                 status = ClientDisconnectedError.status_code if client_left else 500
-            code = state.get(ERROR_CODE_STATE) or ("client_disconnected" if client_left else "")
             record = trace.finish(
                 request_id=str(state.get("request_id", "")),
                 route=scope["path"],
                 status=status,
-                code=str(code),
                 client_left=client_left,
             )
             if record is not None and self.log is not None:
