@@ -122,6 +122,7 @@ class Ledger:
     async def admit(cls, context: CallContext, target: Target, *, endpoint: Endpoint, body: Json) -> Ledger:
         """Estimate the request and reserve it: 403 for a model the key may not use, 429 / 503 for its limits."""
         num_prompt_tokens = estimate_prompt_tokens(endpoint, body)
+        num_prompt_bound = prompt_token_bound(endpoint, body)
         num_max_tokens = 0
         if endpoint != "embeddings":
             # Every one of n choices may use max_tokens (as far as the context lets it: gateway/output_limits.py).
@@ -134,7 +135,6 @@ class Ledger:
             )
             num_completions = _num_choices(body) * (count_prompts(body) if endpoint == "completions" else 1)
             num_max_tokens = per_choice * num_completions
-        num_prompt_bound = prompt_token_bound(endpoint, body)
         admission = await context.access.admit(
             context.credential,
             model=target.model_id,
