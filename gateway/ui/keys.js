@@ -1,4 +1,5 @@
-/* Keys: list (search, paging), create, edit limits, rotate, revoke; a usage sparkline per key. */
+/* Keys: list (search, paging), create, edit limits, team, weight and priority, rotate, revoke; a usage sparkline per
+ * key. */
 (function () {
   'use strict';
   const UG = window.UG;
@@ -44,6 +45,10 @@
       set(name, parsed);
     }
     set('budget_period', value('budget_period'));
+    const team = value('team_id') || null;
+    if (original ? team !== (original.team_id || null) : team) body.team_id = team;
+    set('weight', value('weight') === '' ? 1 : Number(value('weight')));
+    set('priority', value('priority'));
     const expires = value('expires_at');
     const expiresIso = expires ? new Date(expires).toISOString().replace('.000Z', 'Z') : null;
     if (!original ? expiresIso : expiresIso !== (original.expires_at || null)) body.expires_at = expiresIso;
@@ -51,6 +56,32 @@
     if (metadata || original) set('metadata', metadata ? JSON.parse(metadata) : {});
     return body;
   }
+
+  /** A select of every team (filled when the list arrives), the key's own selected; empty = no team. */
+  function teamSelect(key) {
+    const select = h('select', { name: 'team_id' }, h('option', { value: '' }, 'No team'));
+    if (key && key.team_id) select.appendChild(h('option', { value: key.team_id, selected: true }, key.team_id));
+    UG.teamNames().then((names) => {
+      const current = select.value;
+      UG.clear(select).appendChild(h('option', { value: '' }, 'No team'));
+      for (const [id, name] of Object.entries(names)) {
+        select.appendChild(h('option', { value: id, selected: id === current }, name + ' · ' + id));
+      }
+    }).catch(() => {});
+    return select;
+  }
+
+  /** team id → name, for every team (pages of 500). */
+  UG.teamNames = async function () {
+    const names = {};
+    let after = null;
+    do {
+      const page = await UG.api('GET', '/admin/teams?limit=500' + (after ? '&after=' + encodeURIComponent(after) : ''));
+      for (const team of page.data) names[team.id] = team.name;
+      after = page.has_more ? page.last_id : null;
+    } while (after);
+    return names;
+  };
 
   function keyForm(key, onSubmit, submitLabel) {
     const local = key && key.expires_at ? new Date(key.expires_at) : null;
@@ -68,7 +99,13 @@
           h('select', { name: 'budget_period' },
             ['total', 'day', 'month'].map((p) => h('option', { value: p, selected: key && key.budget_period === p }, p)))),
         h('label', {}, 'Expires (local time; empty = never)',
-          h('input', { name: 'expires_at', type: 'datetime-local', value: localValue }))),
+          h('input', { name: 'expires_at', type: 'datetime-local', value: localValue })),
+        h('label', {}, 'Team (its limits apply too)', teamSelect(key)),
+        h('label', {}, 'Weight (share of the local engine)',
+          h('input', { name: 'weight', type: 'number', min: 0.001, step: 'any', value: key ? key.weight : 1 })),
+        h('label', {}, 'Priority',
+          h('select', { name: 'priority' }, ['high', 'normal', 'low'].map((p) => h('option',
+            { value: p, selected: key ? key.priority === p : p === 'normal' }, p))))),
       h('label', {}, 'Metadata (JSON object)',
         h('textarea', { name: 'metadata', rows: 2 }, key && Object.keys(key.metadata).length ? JSON.stringify(key.metadata) : '')),
       h('div', { class: 'row' }, h('button', { type: 'submit' }, submitLabel)),
@@ -100,7 +137,7 @@
   UG.pages.keys = {
     title: 'Keys',
     render(root) {
-      const state = { cursors: [null], index: 0, page: null, search: '', timer: 0 };
+      const state = { cursors: [null], index: 0, page: null, search: '', timer: 0, teams: {} };
       const notice = h('div');
       const tableBox = h('div', { class: 'table-wrap' });
       const pager = h('div', { class: 'row' });
@@ -134,7 +171,7 @@
         const query = '?limit=' + PAGE_SIZE + (after ? '&after=' + encodeURIComponent(after) : '') +
           (state.search ? '&search=' + encodeURIComponent(state.search) : '');
         try {
-          state.page = await UG.api('GET', '/admin/keys' + query);
+          [state.page, state.teams] = await Promise.all([UG.api('GET', '/admin/keys' + query), UG.teamNames()]);
         } catch (e) {
           UG.clear(tableBox).appendChild(h('p', { class: 'error' }, e.message));
           return;
@@ -148,7 +185,9 @@
           const spark = h('span', { class: 'spark', 'aria-label': 'tokens per day' });
           sparkline(key.id, spark);
           return h('tr', { 'data-key-id': key.id },
-            h('td', {}, h('strong', {}, key.name || '(no name)'), h('div', { class: 'muted' }, key.id)),
+            h('td', {}, h('strong', {}, key.name || '(no name)'), h('div', { class: 'muted' }, key.id),
+              key.team_id ? h('div', { class: 'muted', 'data-team': key.team_id },
+                'team: ' + (state.teams[key.team_id] || key.team_id)) : null),
             h('td', { class: 'hide-narrow' }, h('code', {}, key.key_prefix)),
             h('td', {}, h('span', { class: 'badge ' + statusOf(key) }, statusOf(key))),
             h('td', { class: 'hide-narrow' }, key.models.length ? key.models.join(', ') : 'all'),

@@ -1,11 +1,14 @@
-/* Usage: tokens, requests and spend by day, model or key over a date range, as a chart and a table; CSV export. */
+/* Usage: tokens, requests and spend by day, model, key or team over a date range, as a chart and a table; CSV
+ * export. A key's rows count under the team it is in now (a team's own record, on the Teams page, keeps what keys
+ * spent in it before they left). */
 (function () {
   'use strict';
   const UG = window.UG;
   const h = UG.h;
   const DAY_MS = 86400000;
   const COLUMNS = ['date', 'key_id', 'key_name', 'model', 'requests', 'prompt_tokens', 'completion_tokens',
-    'total_tokens', 'spend_usd', 'unpriced_requests'];
+    'total_tokens', 'spend_usd', 'unpriced_requests', 'team_id', 'team_name'];
+  const NO_TEAM = '(no team)';
 
   function isoDay(ms) { return new Date(ms).toISOString().slice(0, 10); }
 
@@ -21,10 +24,16 @@
       '\r\n';
   };
 
+  function groupName(row, by) {
+    if (by === 'key') return (row.key_name || row.key_id) + ' (' + row.key_id + ')';
+    if (by === 'team') return row.team_id ? (row.team_name || row.team_id) + ' (' + row.team_id + ')' : NO_TEAM;
+    return row[by === 'day' ? 'date' : 'model'];
+  }
+
   function group(rows, by) {
     const groups = new Map();
     for (const row of rows) {
-      const name = by === 'key' ? (row.key_name || row.key_id) + ' (' + row.key_id + ')' : row[by === 'day' ? 'date' : 'model'];
+      const name = groupName(row, by);
       const g = groups.get(name) || { name: name, requests: 0, prompt_tokens: 0, completion_tokens: 0, total_tokens: 0,
         spend_usd: 0 };
       g.requests += row.requests;
@@ -46,7 +55,8 @@
       const today = Date.now();
       const from = h('input', { type: 'date', id: 'usage-from', value: isoDay(today - 29 * DAY_MS) });
       const to = h('input', { type: 'date', id: 'usage-to', value: isoDay(today) });
-      const by = h('select', { id: 'usage-by' }, [['day', 'Day'], ['model', 'Model'], ['key', 'Key']].map(
+      const by = h('select', { id: 'usage-by' }, [['day', 'Day'], ['model', 'Model'], ['key', 'Key'],
+        ['team', 'Team']].map(
         ([v, t]) => h('option', { value: v }, t)));
       const metric = h('select', { id: 'usage-metric' }, [['total_tokens', 'Tokens'], ['requests', 'Requests'],
         ['spend_usd', 'Spend (USD)']].map(([v, t]) => h('option', { value: v }, t)));

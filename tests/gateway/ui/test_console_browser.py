@@ -280,9 +280,10 @@ def test_operator_flow_in_a_real_browser(
     assert csv.startswith("date,key_id,key_name,model,requests,") and f",{key_id},team-a,gpt-test,1,7,3,10," in csv
     shoot("usage")
     hostile = page.evaluate(
-        "() => UG.usageCsv([{date: '2026-01-01', key_id: 'k', key_name: '=HYPERLINK(1)', model: 'm,\"x'}])"
+        "() => UG.usageCsv([{date: '2026-01-01', key_id: 'k', key_name: '=HYPERLINK(1)', model: 'm,\"x',"
+        " team_name: '@SUM(1)'}])"
     )
-    assert hostile.splitlines()[1] == '2026-01-01,k,\'=HYPERLINK(1),"m,""x",,,,,,'
+    assert hostile.splitlines()[1] == '2026-01-01,k,\'=HYPERLINK(1),"m,""x",,,,,,,,\'@SUM(1)'
 
     # Revoke (with confirmation); the playground's next call gets the 401 message.
     page.goto(server.url + "/ui#/keys")
@@ -410,3 +411,119 @@ def test_models_page_shows_a_failed_load_and_a_wildcards_cooling_models(
     expect(wildcard.locator("[data-state=up]")).to_be_visible()
     expect(wildcard.locator("[data-cooling-models]")).to_contain_text("1 model cooling: openai/gpt-x")
     page.screenshot(path=str(screenshots / "models-troubled.png"), full_page=True)
+
+
+@pytest.fixture
+def priced_gateway(redis_url: str, tmp_path: Path, fake_upstream: FakeUpstream) -> Iterator[ThreadedServer]:
+    """One priced model over a fake upstream ($1,000 per million tokens either way: 7 + 3 tokens cost $0.01)."""
+    model = {
+        "id": "gpt-test",
+        "pricing": {"input_per_mtok": 1000, "output_per_mtok": 1000},
+        "deployments": [_deployment(fake_upstream, "gpt-test#0")],
+    }
+    routing = tmp_path / "unigate.yaml"
+    routing.write_text(yaml.safe_dump({"models": [model]}))
+    settings = Settings(
+        _env_file=None,  # type: ignore[call-arg]
+        config=routing,
+        master_key=MASTER,  # type: ignore[arg-type]
+        redis_url=redis_url,
+        data_dir=tmp_path / "data",
+        health_probe_interval_s=0,
+        engine={"enabled": False},  # type: ignore[arg-type]
+    )
+    with ThreadedServer(build_app(settings)) as server:
+        yield server
+
+
+def test_teams_page_in_a_real_browser(priced_gateway: ThreadedServer, page: Any, screenshots: Path) -> None:
+    """Create a team with budgets, move a key in from the members panel, see its request's spend against the team's
+    budget, edit a limit, see usage grouped by team, move the key out, and delete a team that still has a key."""
+    server = priced_gateway
+    admin = {"authorization": f"Bearer {MASTER}"}
+    ana = httpx.post(server.url + "/admin/keys", json={"name": "ana"}, headers=admin, timeout=30).json()
+    bob = httpx.post(server.url + "/admin/keys", json={"name": "bob"}, headers=admin, timeout=30).json()
+    page.goto(server.url + "/ui", wait_until="load")
+    page.fill("#login-key", MASTER)
+    page.click("#login-form button")
+    expect(page.locator("#keys-table")).to_be_visible()
+
+    page.click("#nav a[data-page=teams]")
+    expect(page.locator("#teams-table")).to_contain_text("No teams yet")
+    page.click("#new-team")
+    form = page.locator(".team-form").first
+    form.locator("input[name=name]").fill("search <b>team</b>")  # shown as text, never as markup
+    form.locator("input[name=token_budget]").fill("100000")
+    form.locator("input[name=budget_usd]").fill("5")
+    form.locator("select[name=budget_period]").select_option("month")
+    form.locator("select[name=priority]").select_option("high")
+    form.locator("button[type=submit]").click()
+    row = page.locator("#teams-table tbody tr", has_text="search <b>team</b>")
+    expect(row).to_contain_text("$0 of $5 this month")
+    expect(row).to_contain_text("0 of 100,000 tokens this month")
+    expect(row).to_contain_text("weight 1, high")
+    assert page.locator("#teams-table b").count() == 0
+    team_id = row.get_attribute("data-team-id")
+    assert team_id is not None and team_id.startswith("team_")
+
+    # Members: ana joins from the picker; the team counts her.
+    row.locator("text=Members").click()
+    expect(page.locator("#members-table")).to_contain_text("No keys in this team.")
+    page.select_option("#member-add", ana["id"])
+    page.click("#member-add-button")
+    expect(page.locator(f"#members-table tr[data-key-id={ana['id']}]")).to_contain_text("ana")
+    expect(row.locator("[data-num-keys]")).to_have_text("1")
+
+    # A request with ana's key counts against the team's budgets (settled just after the response: reload until).
+    chat = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
+    sent = httpx.post(
+        server.url + "/v1/chat/completions", json=chat, headers={"authorization": f"Bearer {ana['key']}"}, timeout=30
+    )
+    assert sent.status_code == 200, sent.text
+    for _ in range(50):
+        page.goto(server.url + "/ui#/keys")
+        page.goto(server.url + "/ui#/teams")
+        expect(row).to_be_visible()
+        if "$0.01 of $5" in row.inner_text():
+            break
+    expect(row).to_contain_text("$0.01 of $5 this month")
+    expect(row).to_contain_text("10 of 100,000 tokens this month")
+    page.screenshot(path=str(screenshots / "teams.png"), full_page=True)
+
+    # Edit a limit: only what changed is sent.
+    row.locator("text=Edit").click()
+    edit = page.locator("#team-edit-panel")
+    expect(edit.locator("input[name=budget_usd]")).to_have_value("5")
+    edit.locator("input[name=rpm]").fill("50")
+    edit.locator("button[type=submit]").click()
+    expect(row).to_contain_text("50 rpm")
+
+    # Usage grouped by team; the Keys page names ana's team.
+    page.goto(server.url + "/ui#/usage")
+    page.select_option("#usage-by", "team")
+    team_row = page.locator("#usage-table tr", has_text=f"search <b>team</b> ({team_id})")
+    expect(team_row).to_contain_text("10")
+    page.screenshot(path=str(screenshots / "usage-by-team.png"), full_page=True)
+    page.goto(server.url + "/ui#/keys")
+    expect(page.locator(f"tr[data-key-id={ana['id']}] [data-team]")).to_have_text("team: search <b>team</b>")
+
+    # Out and in: ana leaves from the members panel, bob joins through his key's edit form; then delete the team
+    # with bob still in it (confirmed): bob is out of it, and keeps working.
+    page.goto(server.url + "/ui#/teams")
+    row.locator("text=Members").click()
+    page.locator(f"#members-table tr[data-key-id={ana['id']}] [data-action=leave]").click()
+    expect(page.locator("#members-table")).to_contain_text("No keys in this team.")
+    page.goto(server.url + "/ui#/keys")
+    page.locator(f"tr[data-key-id={bob['id']}] >> text=Edit").click()
+    team_select = page.locator("#edit-panel select[name=team_id]")
+    expect(team_select.locator(f"option[value={team_id}]")).to_have_count(1)
+    team_select.select_option(team_id)
+    page.locator("#edit-panel button[type=submit]").click()
+    expect(page.locator(f"tr[data-key-id={bob['id']}] [data-team]")).to_contain_text("team: search")
+    page.goto(server.url + "/ui#/teams")
+    expect(row.locator("[data-num-keys]")).to_have_text("1")
+    row.locator("[data-action=delete]").click()
+    expect(page.locator("#modal")).to_contain_text("leave the team")
+    page.click("#confirm-yes")
+    expect(page.locator("#teams-table")).to_contain_text("No teams yet")
+    assert httpx.get(server.url + f"/admin/keys/{bob['id']}", headers=admin, timeout=30).json()["team_id"] is None

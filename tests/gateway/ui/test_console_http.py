@@ -275,3 +275,31 @@ async def test_an_app_without_the_admin_api_serves_the_pages_but_no_login(fake_u
         refused = await client.post("/ui/api/login", json={"master_key": MASTER})
         assert refused.status_code == 404 and error_code(refused) == "not_found"
         assert_secured(refused)
+
+
+async def test_teams_over_a_console_session(app: Starlette) -> None:
+    """The Teams page's script is served like the others; its calls need the session's CSRF token as the keys' do,
+    and moving a key in and out of a team from the console is a key PATCH."""
+    async with browser(app) as client:
+        page = (await client.get("/ui")).text
+        assert '<a href="#/teams" data-page="teams">Teams</a>' in page
+        assert '<script src="/ui/static/teams.js" defer>' in page
+        script = await client.get("/ui/static/teams.js")
+        assert script.status_code == 200 and "UG.pages.teams" in script.text
+        assert_secured(script)
+        csrf = (await login(client)).json()["csrf_token"]
+        refused = await client.post("/admin/teams", json={"name": "search"})
+        assert refused.status_code == 403 and error_code(refused) == "csrf_failed"
+        ours = {"x-csrf-token": csrf, "origin": "http://console.test"}
+        team = (await client.post("/admin/teams", json={"name": "search", "budget_usd": 5}, headers=ours)).json()
+        assert team["object"] == "team" and team["budget_usd"] == 5
+        assert [t["id"] for t in (await client.get("/admin/teams")).json()["data"]] == [team["id"]]
+        key = (await client.post("/admin/keys", json={"name": "k"}, headers=ours)).json()
+        moved = await client.patch(f"/admin/keys/{key['id']}", json={"team_id": team["id"]}, headers=ours)
+        assert moved.status_code == 200 and moved.json()["team_id"] == team["id"]
+        members = (await client.get(f"/admin/teams/{team['id']}/keys")).json()["data"]
+        assert [m["id"] for m in members] == [key["id"]]
+        not_forced = await client.delete(f"/admin/teams/{team['id']}", headers=ours)
+        assert error_code(not_forced) == "team_has_keys"
+        forced = await client.delete(f"/admin/teams/{team['id']}?force=true", headers=ours)
+        assert forced.status_code == 200 and forced.json()["detached_keys"] == [key["id"]]
