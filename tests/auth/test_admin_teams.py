@@ -8,6 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
+from auth.base import SettleUsage
+
 
 async def _team(admin: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
     response = await admin.post("/admin/teams", json={"name": "team", **body})
@@ -182,3 +184,50 @@ async def test_delete_with_keys_needs_force_which_detaches_them(admin: httpx.Asy
         record = (await admin.get(f"/admin/keys/{key['id']}")).json()
         assert record["team_id"] is None and record["revoked"] is False
     assert (await admin.get(f"/admin/teams/{team['id']}")).status_code == 404
+
+
+async def test_usage_by_team_and_a_moved_key_keeps_its_history(admin: httpx.AsyncClient, make_access: Any) -> None:
+    """A key's requests count for the key and for the team it is in at the time; moving it to another team keeps
+    its own history whole, and the first team keeps what the key spent while in it."""
+    search, ads = await _team(admin, name="search"), await _team(admin, name="ads")
+    key = await _key(admin, name="mover", team_id=search["id"])
+    loner = await _key(admin, name="loner")
+    access = await make_access()
+    for model, prompt, completion in [("m1", 10, 5), ("m2", 3, 1)]:
+        admission = await access.admit(key["key"], model=model, estimated_tokens=50)
+        await access.settle(admission, SettleUsage(prompt, completion))
+    admission = await access.admit(loner["key"], model="m1", estimated_tokens=50)
+    await access.settle(admission, SettleUsage(100, 100))
+
+    await admin.patch(f"/admin/keys/{key['id']}", json={"team_id": ads["id"]})
+    admission = await access.admit(key["key"], model="m1", estimated_tokens=50)
+    await access.settle(admission, SettleUsage(7, 0))
+
+    own = (await admin.get(f"/admin/keys/{key['id']}/usage")).json()["data"]
+    assert {r["model"]: (r["requests"], r["total_tokens"]) for r in own} == {"m1": (2, 22), "m2": (1, 4)}
+    first = (await admin.get(f"/admin/teams/{search['id']}/usage")).json()
+    assert first["team_id"] == search["id"]
+    assert {r["model"]: (r["requests"], r["total_tokens"]) for r in first["data"]} == {"m1": (1, 15), "m2": (1, 4)}
+    second = (await admin.get(f"/admin/teams/{ads['id']}/usage", params={"days": 1})).json()["data"]
+    assert [(r["model"], r["requests"], r["total_tokens"]) for r in second] == [("m1", 1, 7)]
+
+    totals = (await admin.get("/admin/usage", params={"team": search["id"]})).json()
+    assert (totals["team_id"], totals["team_name"], totals["requests"], totals["total_tokens"]) == (
+        search["id"],
+        "search",
+        2,
+        19,
+    )
+    assert totals["num_keys"] == 0  # the key has left it; what it spent there stays
+    ads_totals = (await admin.get("/admin/usage", params={"team": ads["id"], "days": 30})).json()
+    assert (ads_totals["requests"], ads_totals["num_keys"], ads_totals["num_active_keys"]) == (1, 1, 1)
+    assert (await admin.get(f"/admin/teams/{search['id']}")).json()["tokens_spent"] == 19
+
+    rows = (await admin.get("/admin/usage/rows", params={"days": 7})).json()["data"]
+    assert {(r["key_name"], r["team_name"], r["model"], r["requests"]) for r in rows} == {
+        ("mover", "ads", "m1", 2),  # a key's rows carry the team it is in now
+        ("mover", "ads", "m2", 1),
+        ("loner", None, "m1", 1),
+    }
+    only_ads = (await admin.get("/admin/usage/rows", params={"team": ads["id"]})).json()["data"]
+    assert {(r["key_id"], r["team_id"]) for r in only_ads} == {(key["id"], ads["id"])}
