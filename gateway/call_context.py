@@ -57,9 +57,13 @@ async def call_context(request: Request) -> CallContext:
     state = request.app.state
     access: AccessControl = state.access
     credential = extract_credential(request.headers)
-    principal = await access.authenticate(credential)
     request_state = request.scope.setdefault("state", {})
-    if (trace := RequestTrace.of(request_state)) is not None:
+    trace = RequestTrace.of(request_state)
+    if trace is None:
+        principal = await access.authenticate(credential)
+    else:
+        with trace.stage("unigate.authenticate"):
+            principal = await access.authenticate(credential)
         trace.authenticated(principal)  # its record says whose request it was (gateway/request_trace.py)
     return CallContext(
         settings=state.settings,

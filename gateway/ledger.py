@@ -16,6 +16,7 @@ generated text at `CHARS_PER_TOKEN`. Upstream `max_in_flight` slots are the atte
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from gateway.estimates import CHARS_PER_TOKEN, answer_chars, estimate_prompt_tok
 from gateway.metrics import GatewayMetrics
 from gateway.output_limits import reserved_output_tokens
 from gateway.request_fields import count_prompts
+from gateway.request_trace import RequestTrace
 from gateway.router import Router, Target
 from gateway.routing_config import PricingConfig
 
@@ -44,6 +46,16 @@ class Usage:
     num_completion_chars: int = 0  # generated text seen: the estimate when `reported` has no counts
     has_run: bool = False  # an answer came back or a stream started: without counts it is charged an estimate
     is_cut: bool = False  # a stream that ended before its end: without counts its prompt is charged the bound
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from a cache, as reported (OpenAI's `prompt_tokens_details`, Anthropic's
+        `cache_read_input_tokens`); 0 when not."""
+        reported = self.reported or {}
+        details = reported.get("prompt_tokens_details", reported.get("input_tokens_details"))
+        if isinstance(details, dict):
+            return usage_count(details.get("cached_tokens"))
+        return usage_count(reported.get("cache_read_input_tokens"))
 
     @classmethod
     def of_answer(cls, data: Json) -> Usage:
@@ -106,6 +118,7 @@ class Ledger:
         num_prompt_tokens: int,
         request_id: str,
         num_prompt_bound: int = 0,
+        trace: RequestTrace | None = None,
     ) -> None:
         self.admission = admission
         self.model = model  # the requested model's public id: the token metrics' label
@@ -117,6 +130,7 @@ class Ledger:
         self._metrics = metrics
         self._request_id = request_id
         self._settling: Awaitable[None] | None = None  # the queued settle, until someone waits for it
+        self._trace = trace  # the request log's and the spans' notes (gateway/request_trace.py)
 
     @classmethod
     async def admit(cls, context: CallContext, target: Target, *, endpoint: Endpoint, body: Json) -> Ledger:
@@ -135,13 +149,15 @@ class Ledger:
             )
             num_completions = _num_choices(body) * (count_prompts(body) if endpoint == "completions" else 1)
             num_max_tokens = per_choice * num_completions
-        admission = await context.access.admit(
-            context.credential,
-            model=target.model_id,
-            estimated_tokens=num_prompt_tokens + num_max_tokens,
-            request_id=context.request_id,
-            budget=budget_cost(context.router, target, num_prompt_bound, num_max_tokens),
-        )
+        trace = RequestTrace.of(context.request_state)
+        with trace.stage("unigate.admission") if trace is not None else contextlib.nullcontext():
+            admission = await context.access.admit(
+                context.credential,
+                model=target.model_id,
+                estimated_tokens=num_prompt_tokens + num_max_tokens,
+                request_id=context.request_id,
+                budget=budget_cost(context.router, target, num_prompt_bound, num_max_tokens),
+            )
         return cls(
             access=context.access,
             metrics=context.metrics,
@@ -150,6 +166,7 @@ class Ledger:
             num_prompt_tokens=num_prompt_tokens,
             num_prompt_bound=num_prompt_bound,
             request_id=context.request_id,
+            trace=trace,
         )
 
     @property
@@ -165,6 +182,8 @@ class Ledger:
             usage, num_prompt_estimate=self.num_prompt_tokens, pricing=pricing, num_prompt_bound=self.num_prompt_bound
         )
         settled = settlement.usage
+        if self._trace is not None:
+            self._trace.settled(settled, usage.num_cached_tokens)
         if settled.prompt_tokens or settled.completion_tokens:
             self._metrics.count_tokens(self.model, settled.prompt_tokens, settled.completion_tokens)
         try:
@@ -183,6 +202,9 @@ class Ledger:
             await settling
         except Exception:
             logger.exception("could not settle usage for request %s", self._request_id)
+        finally:
+            if self._trace is not None:
+                self._trace.settle_done()
 
 
 def budget_cost(router: Router, target: Target, num_prompt_tokens: int, num_output_tokens: int) -> BudgetCost:
