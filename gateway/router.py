@@ -1,4 +1,5 @@
-"""Model id / alias / wildcard → deployments, and the retry / fallback / cooldown loop around one call.
+"""Model id / alias / wildcard → deployments, and the retry / fallback loop around one call (the cooldowns it
+obeys are kept by `gateway.cooldowns.Cooldowns`).
 
 Pick: among the deployments not cooling down, the one with the fewest in-flight requests per unit of weight
 (ties broken by weighted chance). Retries (connect errors, 429, 5xx) move to the next deployment of the same
@@ -26,8 +27,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from backends.base import Backend
-from backends.retry_after import parse_retry_after, retry_after_header
-from gateway.errors import BackendError, GatewayError, NotFoundError, UnavailableError, UpstreamRateLimitedError
+from backends.retry_after import parse_retry_after
+from gateway.cooldowns import Cooldowns, ModelHealth
+from gateway.errors import BackendError, GatewayError, NotFoundError
 from gateway.routing_config import DeploymentConfig, ModelConfig, PricingConfig, RouterConfig, RoutingConfig
 
 __all__ = ["Deployment", "ModelRoute", "Router", "Target"]
@@ -40,19 +42,6 @@ _RETRIABLE = frozenset(
 )
 # Worth another attempt on another deployment only: retrying the same one would wait its pool_timeout again.
 _NOT_AGAIN = frozenset({"upstream_at_capacity"})
-
-
-_MAX_MODEL_STATES = 1024  # per-model failure records a wildcard deployment keeps (the oldest go first)
-
-
-@dataclass(slots=True)
-class ModelHealth:
-    """A wildcard deployment's health for one upstream model: a 429 or 5xx about `openai/gpt-4o` says nothing
-    about `openai/gpt-4.1`, so it cools that model down, not the deployment."""
-
-    num_fails: int = 0
-    cooldown_until: float = 0.0
-    is_rate_limited: bool = False  # the cooldown is a 429's: the upstream said when to come back
 
 
 @dataclass(slots=True)
@@ -111,6 +100,7 @@ class Router:
     ) -> None:
         self.config: RouterConfig = config.router
         self.fallbacks = config.fallbacks
+        self.cooldowns = Cooldowns(config.router, clock)
         self._clock = clock
         self.routes: list[ModelRoute] = []
         self._by_name: dict[str, ModelRoute] = {}
@@ -198,7 +188,7 @@ class Router:
                 if deployment is None and rate_limited is not None:
                     deployment, wait = rate_limited  # nothing else left: wait its 429 out, then try it again
                 if deployment is None:
-                    last_error = last_error or self._all_cooling_error(current.route, model)
+                    last_error = last_error or self.cooldowns.all_cooling_error(current.route, model)
                     break
                 rate_limited = None
                 if wait > 0:
@@ -219,7 +209,9 @@ class Router:
                     continue
                 self.record_success(deployment, model=model)
                 if is_after_429:
-                    self._lift_rate_limit(deployment, model)  # it answered: its 429 cooldown is over for everyone
+                    self.cooldowns.lift_rate_limit(
+                        deployment, model
+                    )  # it answered: its 429 cooldown is over for everyone
                 return result
             if last_error is not None and not _may_fall_back(last_error):
                 raise last_error
@@ -239,7 +231,9 @@ class Router:
         wildcard route, whose own cooldown counts too."""
         now = self._clock()
         skipped = set(skip)
-        available = [d for d in route.deployments if self._cooldown_until(d, model) <= now and d.name not in skipped]
+        available = [
+            d for d in route.deployments if self.cooldowns.is_available(d, model, now) and d.name not in skipped
+        ]
         if not available:
             return None
         fresh = [d for d in available if d.name not in exclude] or available
@@ -262,67 +256,19 @@ class Router:
         spent.add(deployment.name)
         return None
 
-    def _lift_rate_limit(self, deployment: Deployment, model: str | None) -> None:
-        for health in (deployment, deployment.health_of(model)):
-            if health is not None and health.is_rate_limited:
-                health.cooldown_until = 0.0
-                health.is_rate_limited = False
-
     def record_success(self, deployment: Deployment, *, model: str | None = None) -> None:
-        deployment.num_fails = 0
-        health = deployment.health_of(model)
-        if health is not None:
-            health.num_fails = 0
+        self.cooldowns.record_success(deployment, model=model)
 
     def record_failure(self, deployment: Deployment, error: GatewayError, *, model: str | None = None) -> None:
-        """Count a failure toward a cooldown: the deployment's, or with `model` (a wildcard route's requested
-        model) that model's on this deployment — except a failure to connect, which no model has alone."""
-        if not isinstance(error, BackendError):
-            return  # the caller's request or our own limits, not the deployment's health
-        health: Deployment | ModelHealth = deployment
-        if model is not None and error.code != "upstream_unreachable":
-            health = self._model_health(deployment, model)
-        health.num_fails += 1
-        cooldown = self.config.cooldown_s
-        is_rate_limited = error.code == "upstream_rate_limited"
-        if is_rate_limited:
-            retry_after = parse_retry_after(error.headers.get("retry-after"))
-            if retry_after is not None:
-                cooldown = min(retry_after, self.config.max_retry_after_s)
-            error.headers["retry-after"] = retry_after_header(cooldown)  # the client's hint: when this one is back
-        elif health.num_fails < self.config.max_fails:
-            return
-        health.cooldown_until = self._clock() + cooldown
-        health.is_rate_limited = is_rate_limited
-        health.num_fails = 0
-
-    def _model_health(self, deployment: Deployment, model: str) -> ModelHealth:
-        health = deployment.models.get(model)
-        if health is None:
-            if len(deployment.models) >= _MAX_MODEL_STATES:
-                now = self._clock()
-                for name in [n for n, h in deployment.models.items() if h.cooldown_until <= now and not h.num_fails]:
-                    del deployment.models[name]
-                while len(deployment.models) >= _MAX_MODEL_STATES:
-                    del deployment.models[next(iter(deployment.models))]
-            health = deployment.models[model] = ModelHealth()
-        return health
-
-    def _cooldown_until(self, deployment: Deployment, model: str | None) -> float:
-        return self._cooling(deployment, model).cooldown_until
-
-    def _cooling(self, deployment: Deployment, model: str | None) -> Deployment | ModelHealth:
-        """Whichever keeps the deployment out longer for `model`: its own cooldown or the model's on it."""
-        health = deployment.health_of(model)
-        return deployment if health is None or deployment.cooldown_until >= health.cooldown_until else health
+        """Count a failure toward a cooldown (`Cooldowns.record_failure`)."""
+        self.cooldowns.record_failure(deployment, error, model=model)
 
     def mark_down(self, deployment: Deployment) -> None:
         """Take a deployment out for one cooldown (a failed health probe)."""
-        deployment.cooldown_until = self._clock() + self.config.cooldown_s
-        deployment.is_rate_limited = False
+        self.cooldowns.mark_down(deployment)
 
     def is_cooling(self, deployment: Deployment) -> bool:
-        return deployment.cooldown_until > self._clock()
+        return self.cooldowns.is_cooling(deployment)
 
     def prices(self, target: Target) -> list[tuple[str, list[PricingConfig | None]]]:
         """Per model that may serve `target` (itself, then every configured fallback: the key's allowlist picks
@@ -346,24 +292,6 @@ class Router:
     def _backoff(self, attempt_number: int) -> float:
         ceiling: float = min(self.config.max_backoff_s, self.config.retry_backoff_s * 2.0 ** (attempt_number - 1))
         return ceiling / 2 + random.uniform(0, ceiling / 2)  # "equal jitter": spread retries, keep a floor
-
-    def _all_cooling_error(self, route: ModelRoute, model: str | None = None) -> GatewayError:
-        """503 `upstream_cooling_down`, or 429 `upstream_rate_limited` when every deployment is out after a 429."""
-        coolings = [self._cooling(d, model) for d in route.deployments]
-        wait = max(0.0, min(c.cooldown_until for c in coolings) - self._clock())
-        seconds = max(1, int(wait + 0.999))
-        if all(c.is_rate_limited for c in coolings):
-            return UpstreamRateLimitedError(
-                f"The upstream of model {model or route.id!r} is rate limiting the gateway (HTTP 429); retry in "
-                f"{seconds} s.",
-                headers={"retry-after": str(seconds)},
-            )
-        return UnavailableError(
-            f"Every deployment of model {model or route.id!r} failed recently and is cooling down; retry in "
-            f"{seconds} s.",
-            code="upstream_cooling_down",
-            headers={"retry-after": str(seconds)},
-        )
 
 
 def _may_fall_back(error: GatewayError) -> bool:

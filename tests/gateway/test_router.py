@@ -9,8 +9,9 @@ from fakes.access import RecordingAccess
 from fakes.app import AUTH, CHAT, MASTER, asgi_client, build_app, deployment
 from fakes.upstream import Behavior, FakeUpstream
 
+from gateway.cooldowns import MAX_MODEL_STATES as _MAX_MODEL_STATES
 from gateway.errors import BackendError, NotFoundError
-from gateway.router import _MAX_MODEL_STATES, Router
+from gateway.router import Router
 from gateway.routing_config import parse_routing
 
 FAST_RETRIES = {"num_retries": 2, "retry_backoff_s": 0.001, "max_backoff_s": 0.01, "cooldown_s": 60, "max_fails": 2}
