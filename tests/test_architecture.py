@@ -2,8 +2,9 @@
 and `bench/`; those never import `gateway/` (except its ground floor) nor each other, except the local backend,
 which adapts the engine. The import graph is read with `ast` (every `import` and `from ... import`, including
 imports inside functions and under TYPE_CHECKING), so an arrow that points up or sideways fails here. The engine
-host's room has rules of its own: the engine process imports no web app, and it meets its client only in the
-protocol module.
+host's room has rules of its own: none of its modules but `http.py` (`unigate engine serve`) reaches a web app,
+it meets its client only in the protocol module, and that module needs nothing of the gateway but the error tree.
+And no class in `gateway/` grows past ~200 lines (a second job: give it an object of its own).
 """
 
 from __future__ import annotations
@@ -134,3 +135,51 @@ def test_the_closure_walk_follows_lazy_imports(tmp_path: Path) -> None:
     (tmp_path / "gateway" / "a.py").write_text("def f():\n    from gateway.b import x\n")
     (tmp_path / "gateway" / "b.py").write_text("import starlette.routing\n")
     assert {"gateway.b", "starlette.routing", "starlette"} <= import_closure("gateway.a", tmp_path)
+
+
+# Every module of the engine host but `http.py`, which is `unigate engine serve`: the gateway app on purpose.
+ENGINE_HOST_HTTP = "gateway.engine_host.http"
+
+
+def engine_host_modules() -> list[str]:
+    names = [f"gateway.engine_host.{path.stem}" for path in sorted((ROOT / "gateway" / "engine_host").glob("*.py"))]
+    return [name.removesuffix(".__init__") for name in names if name != ENGINE_HOST_HTTP]
+
+
+def test_no_engine_host_module_reaches_the_web_app() -> None:
+    """The parent's side (`process`), the host and the package itself stay out of the app too, not only `main`."""
+    assert "gateway.engine_host.process" in engine_host_modules()
+    for module in engine_host_modules():
+        web = sorted(name for name in import_closure(module) if name.startswith(WEB_APP))
+        assert not web, f"{module} may import {web}"
+
+
+def test_the_engine_protocol_needs_nothing_of_the_gateway_but_its_error_tree() -> None:
+    """Both ends import the protocol: it may not pull in settings, the app or any stage of the gateway."""
+    ours = {name for name in import_closure("backends.engine_protocol") if name.startswith("gateway")}
+    assert ours <= {"gateway", "gateway.errors"}, sorted(ours)
+
+
+# -- sizes (shared/STYLE.md): a class in gateway/ over ~200 lines holds a second job ----------------------------------
+
+MAX_CLASS_LINES = 220
+
+
+def class_sizes(package: str, root: Path = ROOT) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for path in sorted((root / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                sizes[f"{path.relative_to(root).as_posix()}:{node.name}"] = node.end_lineno - node.lineno + 1
+    return sizes
+
+
+def test_no_class_in_the_gateway_is_over_about_200_lines() -> None:
+    large = {name: size for name, size in class_sizes("gateway").items() if size > MAX_CLASS_LINES}
+    assert not large, f"split these by job (a stage, a helper object of their own): {large}"
+
+
+def test_class_sizes_count_the_whole_body(tmp_path: Path) -> None:
+    (tmp_path / "gateway").mkdir()
+    (tmp_path / "gateway" / "a.py").write_text("class A:\n    x = 1\n\n    def f(self):\n        return 2\n")
+    assert class_sizes("gateway", tmp_path) == {"gateway/a.py:A": 5}
