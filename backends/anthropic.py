@@ -19,7 +19,7 @@ from typing import Any, Self
 import orjson
 
 from backends.anthropic_translate import chat_to_messages, error_from_event, events_to_chat_chunks, message_to_chat
-from backends.base import Endpoint, Json
+from backends.base import Endpoint, Json, Tenancy
 from backends.config import UpstreamConfig
 from backends.upstream import UpstreamClient
 from backends.upstream_errors import UpstreamErrors
@@ -87,7 +87,13 @@ class AnthropicBackend:
         return endpoint in _NATIVE or endpoint == "chat/completions"
 
     async def send(
-        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+        self,
+        endpoint: Endpoint,
+        body: Json,
+        *,
+        request_id: str,
+        headers: Mapping[str, str] | None = None,
+        tenancy: Tenancy | None = None,  # (an upstream serves everyone alike)
     ) -> Json:
         """A Messages body (and the client's `anthropic-beta`) goes as it came; a chat body is translated."""
         if endpoint == "chat/completions":
@@ -97,7 +103,13 @@ class AnthropicBackend:
         return await self._upstream.send(endpoint, body, request_id=request_id, headers=headers)
 
     async def stream(
-        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+        self,
+        endpoint: Endpoint,
+        body: Json,
+        *,
+        request_id: str,
+        headers: Mapping[str, str] | None = None,
+        tenancy: Tenancy | None = None,  # (an upstream serves everyone alike)
     ) -> AsyncIterator[Json]:
         """Anthropic events (without pings) for `messages`; chat chunks, ending with a usage chunk, for
         `chat/completions`. A request it cannot send fails on the first `anext()`, as every backend's stream."""

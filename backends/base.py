@@ -5,16 +5,21 @@ adds what the backend needs, e.g. `stream_options.include_usage`). Backends rais
 (`BackendError` and subclasses, `EngineError`); they never return error payloads as data.
 
 Optional capabilities are declared here as runtime-checkable protocols (`ReportsHealthState`, `CountsPromptTokens`,
-`FitsOutput`, `ReportsEngineStats`), and the gateway asks for them with `isinstance`, never with `getattr`. Such
-a check costs microseconds: on a per-request path, remember its answer per backend class
-(`gateway.output_limits` does).
+`FitsOutput`, `ReportsEngineStats`; of a stream: `ReportsStreamUsage`), and the gateway asks for them with
+`isinstance`, never with `getattr`. Such a check costs microseconds: on a per-request path, remember its answer per
+backend class (`gateway.output_limits` does).
+
+Each call says whose it is (`Tenancy`: the caller's tenant, weight and priority class): the local engine shares
+itself between tenants by it (local_engine/fair_share.py); upstream backends ignore it.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
+
+from local_engine.fair_share import Priority, Tenancy
 
 __all__ = [
     "FORWARDED_HEADERS",
@@ -25,9 +30,13 @@ __all__ = [
     "FitsOutput",
     "HealthState",
     "Json",
+    "MeteredStream",
     "OutputLimits",
+    "Priority",
     "ReportsEngineStats",
     "ReportsHealthState",
+    "ReportsStreamUsage",
+    "Tenancy",
 ]
 
 Json = dict[str, Any]
@@ -59,18 +68,32 @@ class Backend(Protocol):
         ...
 
     async def send(
-        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+        self,
+        endpoint: Endpoint,
+        body: Json,
+        *,
+        request_id: str,
+        headers: Mapping[str, str] | None = None,
+        tenancy: Tenancy | None = None,
     ) -> Json:
         """One non-streaming call; returns the parsed JSON response of that endpoint's family. `headers`: the
-        client's headers a backend may pass on (`FORWARDED_HEADERS`; only an Anthropic upstream uses them)."""
+        client's headers a backend may pass on (`FORWARDED_HEADERS`; only an Anthropic upstream uses them).
+        `tenancy`: whose call it is (None: nobody's in particular); only the local engine uses it."""
         ...
 
     def stream(
-        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+        self,
+        endpoint: Endpoint,
+        body: Json,
+        *,
+        request_id: str,
+        headers: Mapping[str, str] | None = None,
+        tenancy: Tenancy | None = None,
     ) -> AsyncIterator[Json]:
         """A streaming call yielding each parsed event/chunk (OpenAI chunks, or Anthropic events with their
         `type`); the iterator ends after the final chunk (the `[DONE]` marker is not yielded). Closing the
-        iterator early (client gone) must cancel the upstream request promptly."""
+        iterator early (client gone) must cancel the upstream request promptly. A stream that knows its usage
+        when it is closed early says so (`ReportsStreamUsage`)."""
         ...
 
     async def check_health(self) -> bool:
@@ -126,3 +149,36 @@ class ReportsEngineStats(Protocol):
     `dtype` and `max_model_len`. Called on demand; no I/O."""
 
     def stats(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class ReportsStreamUsage(Protocol):
+    """Optional capability of a stream (the iterator `Backend.stream` returns): the usage of what it computed so
+    far, in the OpenAI `usage` shape, exact also once it was closed early (the local engine's own prompt, cached
+    and generated counts); None while nothing is counted. The gateway charges it for a stream cut before its
+    usage chunk, where it would otherwise charge an estimate."""
+
+    def usage_so_far(self) -> Json | None: ...
+
+
+class MeteredStream:
+    """A stream that reports its usage so far (`ReportsStreamUsage`): the chunks of `chunks`, and whatever
+    `meter()` says, which the generator keeps up to date as it makes them."""
+
+    __slots__ = ("_chunks", "_meter")
+
+    def __init__(self, chunks: AsyncGenerator[Json, None], meter: Callable[[], Json | None]) -> None:
+        self._chunks = chunks
+        self._meter = meter
+
+    def __aiter__(self) -> MeteredStream:
+        return self
+
+    async def __anext__(self) -> Json:
+        return await anext(self._chunks)
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+
+    def usage_so_far(self) -> Json | None:
+        return self._meter()

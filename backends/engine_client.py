@@ -3,9 +3,10 @@
 With `unigate serve --workers N` the engine runs once, in its own process (`gateway.engine_host`, on a Unix
 socket), and each worker's local deployment is this client of it, over the engine protocol
 (`backends.engine_protocol`, the only module the two sides share). It keeps the local backend's contract
-(`backends.local.LocalBackend`): the same chunks and responses (the clamp report under `MAX_TOKENS_CLAMPED_KEY`,
-`usage` with cached tokens), the same errors (503 `engine_loading` with `Retry-After` while the model loads, 400s
-naming the field), `health_state()`, `output_limits()`, `count_prompt_tokens()` and `stats()`.
+(`backends.local.LocalBackend`): the caller's tenancy reaches the engine; the same chunks and responses (the clamp
+report under `MAX_TOKENS_CLAMPED_KEY`, `usage` with cached tokens, and a stream's counts so far when it is closed
+early), the same errors (503 `engine_loading` with `Retry-After` while the model loads, 400s naming the field),
+`health_state()`, `output_limits()`, `count_prompt_tokens()` and `stats()`.
 
 Each call has a connection of its own (taken from a pool of idle ones, `max_connections` open at most) and gives
 it back when the call ends. A call that ends early (a stream closed, a caller gone) sends `abort` and closes its
@@ -24,11 +25,11 @@ import asyncio
 import contextlib
 import itertools
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from backends.base import Endpoint, HealthState, Json, OutputLimits
+from backends.base import Endpoint, HealthState, Json, MeteredStream, OutputLimits, Tenancy
 from backends.engine_protocol import (
     Abort,
     AddRequest,
@@ -136,26 +137,46 @@ class EngineClient:
         return endpoint in NATIVE_ENDPOINTS
 
     async def send(
-        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+        self,
+        endpoint: Endpoint,
+        body: Json,
+        *,
+        request_id: str,
+        headers: Mapping[str, str] | None = None,
+        tenancy: Tenancy | None = None,
     ) -> Json:
-        reply = await self._call(lambda call_id: AddRequest(call_id, request_id, endpoint, False, body))
+        reply = await self._call(lambda call_id: AddRequest.of(call_id, request_id, endpoint, False, body, tenancy))
         if not isinstance(reply, Response):
             raise self._malformed(f"a {reply.KIND!r} message for a request")
         return reply.body
 
-    async def stream(
-        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
-    ) -> AsyncIterator[Json]:
-        call_id = next(self._ids)
+    def stream(
+        self,
+        endpoint: Endpoint,
+        body: Json,
+        *,
+        request_id: str,
+        headers: Mapping[str, str] | None = None,
+        tenancy: Tenancy | None = None,
+    ) -> MeteredStream:
+        """The engine's chunks; the stream reports the engine's counts as of the last chunk (`usage_so_far`), which
+        is what a stream closed before its usage chunk used."""
+        counts: list[int] = []
+        chunks = self._stream(AddRequest.of(next(self._ids), request_id, endpoint, True, body, tenancy), counts)
+        return MeteredStream(chunks, lambda: _usage(counts))
+
+    async def _stream(self, request: AddRequest, counts: list[int]) -> AsyncGenerator[Json, None]:
+        call_id = request.call_id
         async with self._slots:
             channel = await self._acquire()
             is_ended = is_started = False
             try:
-                channel.send(AddRequest(call_id, request_id, endpoint, True, body))
+                channel.send(request)
                 while True:
                     message = await self._read(channel, call_id, self.config.read_timeout_s, is_started=is_started)
                     is_started = True
                     if isinstance(message, Output):
+                        counts[:] = message.counts or counts
                         yield message.chunk
                     elif isinstance(message, Finished | Failed):
                         is_ended = True
@@ -309,3 +330,16 @@ class EngineClient:
             code="engine_error",
             headers={"retry-after": str(ENGINE_DOWN_RETRY_AFTER_S)},
         )
+
+
+def _usage(counts: list[int]) -> Json | None:
+    """The usage object of the engine's `[prompt, cached, generated]` counts (None before it sent any)."""
+    if not counts:
+        return None
+    num_prompt, num_cached, num_generated = counts
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_generated,
+        "total_tokens": num_prompt + num_generated,
+        "prompt_tokens_details": {"cached_tokens": num_cached},
+    }

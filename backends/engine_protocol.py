@@ -5,12 +5,17 @@ A message is one frame: a 4-byte big-endian length, then that many bytes of JSON
 the call it belongs to (an id the worker picks, unique on its connection), then the message's fields in order:
 
     worker → host                                       host → worker
-    ["add", id, request_id, endpoint, is_stream, body]  ["output", id, chunk]       a stream's next chunk
+    ["add", id, request_id, endpoint, is_stream, body,  ["output", id, chunk, counts]  a stream's next chunk
+        tenant, weight, priority]
     ["abort", id]                                       ["finished", id]            a stream's end
     ["count_tokens", id, body]                          ["response", id, body]      an unstreamed call's answer
     ["get_state", id]                                   ["num_tokens", id, n]
                                                         ["state", id, pid, state, context_length, stats]
                                                         ["failed", id, error, status, code, message, param, headers]
+
+An `add` says whose call it is (the caller's tenant, weight and priority class: `backends.base.Tenancy`). Each
+`output` carries the engine's counts so far, `[prompt, cached, generated]` tokens (`[]` before it counted any): what
+a stream the worker closes early used (`backends.base.ReportsStreamUsage`).
 
 Every call ends with one of finished / response / num_tokens / state / failed, except an aborted one, which ends
 with nothing (the worker has forgotten it); a closed connection aborts every call still running on it. `failed`
@@ -25,12 +30,12 @@ import asyncio
 import struct
 import types
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, cast
 
 import orjson
 
-from backends.base import HealthState, Json
+from backends.base import HealthState, Json, Priority, Tenancy
 from gateway.errors import EngineError, GatewayError
 
 __all__ = [
@@ -58,6 +63,8 @@ __all__ = [
 MAX_FRAME_BYTES = 256 * 2**20  # a request body, or an unstreamed response with logprobs, fits many times over
 _HEADER = struct.Struct(">I")
 _HEALTH_STATES = frozenset(typing.get_args(HealthState))
+_PRIORITIES = frozenset(typing.get_args(Priority))
+_NOBODY = Tenancy()
 
 
 class ProtocolError(Exception):
@@ -93,6 +100,22 @@ class AddRequest(_Message):
     endpoint: str  # "chat/completions" or "completions"; another is answered `failed` (404)
     is_stream: bool
     body: Json
+    tenant: str = ""  # whose share of the engine serves it (`backends.base.Tenancy`)
+    weight: float = 1.0  # > 0
+    priority: str = "normal"  # "high", "normal" or "low"
+
+    @classmethod
+    def of(
+        cls, call_id: int, request_id: str, endpoint: str, is_stream: bool, body: Json, tenancy: Tenancy | None
+    ) -> AddRequest:
+        tenancy = tenancy or _NOBODY
+        return cls(
+            call_id, request_id, endpoint, is_stream, body, tenancy.tenant, float(tenancy.weight), tenancy.priority
+        )
+
+    @property
+    def tenancy(self) -> Tenancy:
+        return Tenancy(self.tenant, self.weight, cast(Priority, self.priority))
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +142,7 @@ class Output(_Message):
     KIND = "output"
     call_id: int
     chunk: Json
+    counts: list[int] = field(default_factory=list)  # the engine's [prompt, cached, generated] tokens so far
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,8 +217,8 @@ _ERRORS = _error_classes(GatewayError)
 def _wire_types(cls: type[_Message]) -> tuple[frozenset[type], ...]:
     hints = typing.get_type_hints(cls, globals())
     accepted = []
-    for field in fields(cast(Any, cls)):
-        hint = hints[field.name]
+    for each in fields(cast(Any, cls)):
+        hint = hints[each.name]
         options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
         if typing.get_origin(hint) is typing.Literal:  # checked by `decode` (a closed set of strings)
             options = (str,)
@@ -227,7 +251,15 @@ def decode(payload: bytes | bytearray) -> WorkerMessage | HostMessage:
     message: WorkerMessage | HostMessage = cast(Any, cls)(*values)
     if isinstance(message, State) and message.state not in _HEALTH_STATES:
         raise ProtocolError(f"a state message with the unknown state {message.state!r}")
+    if isinstance(message, AddRequest) and (message.priority not in _PRIORITIES or not message.weight > 0):
+        raise ProtocolError(f"an add message with the priority {message.priority!r} and weight {message.weight!r}")
+    if isinstance(message, Output) and message.counts and (len(message.counts) != 3 or not _are_ints(message.counts)):
+        raise ProtocolError(f"an output message with the counts {message.counts!r}")
     return message
+
+
+def _are_ints(values: list[Any]) -> bool:
+    return all(type(value) is int for value in values)
 
 
 class FrameDecoder:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from backends.base import Endpoint, HealthState, Json, OutputLimits
+from backends.base import Endpoint, HealthState, Json, MeteredStream, OutputLimits, Tenancy
 from backends.local_mapping import (
     NATIVE_ENDPOINTS,
     ParsedRequest,
@@ -43,7 +43,7 @@ from backends.local_mapping import (
 from gateway.errors import EngineError, EngineLoadingError, GatewayError
 from local_engine.config import EngineConfig
 from local_engine.errors import CheckpointError
-from local_engine.fair_share import DEFAULT_TENANCY, Tenancy
+from local_engine.fair_share import DEFAULT_TENANCY
 from local_engine.output_processor import RequestOutput, accumulate
 
 if TYPE_CHECKING:
@@ -241,12 +241,12 @@ class LocalBackend:
         *,
         request_id: str,
         headers: Mapping[str, str] | None = None,
-        tenancy: Tenancy = DEFAULT_TENANCY,
+        tenancy: Tenancy | None = None,
     ) -> Json:
-        """`tenancy`: whose share of the engine serves it (the gateway does not pass it yet: every call is "")."""
+        """`tenancy`: whose share of the engine serves it (the gateway passes the caller's; None: nobody's)."""
         engine = await self._ready()
         request = await self._parse(engine, endpoint, body)
-        streams = self._generate(engine, request, request_id, tenancy)
+        streams = self._generate(engine, request, request_id, tenancy or DEFAULT_TENANCY)
         deltas: list[list[RequestOutput]] = [[] for _ in streams]
         try:
             with engine_errors(endpoint):
@@ -264,19 +264,27 @@ class LocalBackend:
                 choices.append(request.choice(prompt_index, out))
         return request.response(choices, usage.as_dict(), request_id)
 
-    async def stream(
+    def stream(
         self,
         endpoint: Endpoint,
         body: Json,
         *,
         request_id: str,
         headers: Mapping[str, str] | None = None,
-        tenancy: Tenancy = DEFAULT_TENANCY,
-    ) -> AsyncIterator[Json]:
+        tenancy: Tenancy | None = None,
+    ) -> MeteredStream:
+        """The chunks; the stream reports the engine's counts so far (`usage_so_far`), which is what a stream
+        closed before its usage chunk used: every prompt token (cached ones too) and every token generated."""
+        usage = Usage()
+        chunks = self._stream(endpoint, body, request_id, tenancy or DEFAULT_TENANCY, usage)
+        return MeteredStream(chunks, lambda: usage.as_dict() if usage.has_counts else None)
+
+    async def _stream(
+        self, endpoint: Endpoint, body: Json, request_id: str, tenancy: Tenancy, usage: Usage
+    ) -> AsyncGenerator[Json, None]:
         engine = await self._ready()
         request = await self._parse(engine, endpoint, body)
         streams = self._generate(engine, request, request_id, tenancy)
-        usage = Usage()
         started: set[int] = set()
         try:
             with engine_errors(endpoint):

@@ -246,19 +246,28 @@ class Usage:
 
     def __init__(self) -> None:
         self.prompt_tokens = 0
-        self.cached_tokens = 0
         self.completion_tokens = 0
         self.spec_proposed = 0
         self.spec_accepted = 0
-        self._seen: set[str] = set()
+        self._cached: dict[str, int] = {}  # engine request -> its prompt's cached tokens, as its latest delta says
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self._cached.values())
+
+    @property
+    def has_counts(self) -> bool:
+        """Whether the engine reported anything yet (its first delta names the prompt's size)."""
+        return bool(self._cached)
 
     def add_prompt(self, deltas: list[RequestOutput]) -> None:
+        """Each delta's prompt: counted once per engine request, its cached tokens as its latest delta says (so a
+        stream cut before its end counts them too)."""
         for delta in deltas:
-            if delta.request_id not in self._seen:
-                self._seen.add(delta.request_id)
+            if delta.request_id not in self._cached:
                 self.prompt_tokens += delta.num_prompt_tokens
+            self._cached[delta.request_id] = delta.num_cached_tokens
             if delta.finished:
-                self.cached_tokens += delta.num_cached_tokens
                 self.spec_proposed += delta.num_spec_proposed
                 self.spec_accepted += delta.num_spec_accepted
 

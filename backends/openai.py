@@ -13,7 +13,7 @@ from typing import Any, Self
 
 import orjson
 
-from backends.base import Endpoint, Json
+from backends.base import Endpoint, Json, Tenancy
 from backends.config import UpstreamConfig
 from backends.upstream import UpstreamClient
 from backends.upstream_errors import UpstreamErrors
@@ -64,12 +64,24 @@ class OpenAIBackend:
         return endpoint in self._native
 
     async def send(
-        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+        self,
+        endpoint: Endpoint,
+        body: Json,
+        *,
+        request_id: str,
+        headers: Mapping[str, str] | None = None,
+        tenancy: Tenancy | None = None,  # (an upstream serves everyone alike)
     ) -> Json:
         return await self._upstream.send(endpoint, body, request_id=request_id)
 
     def stream(
-        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+        self,
+        endpoint: Endpoint,
+        body: Json,
+        *,
+        request_id: str,
+        headers: Mapping[str, str] | None = None,
+        tenancy: Tenancy | None = None,  # (an upstream serves everyone alike)
     ) -> AsyncIterator[Json]:
         return self._upstream.stream(endpoint, body, request_id=request_id)
 

@@ -57,12 +57,14 @@ class FakeBackend:
     def __init__(self, num_chunks: int) -> None:
         self.num_chunks = num_chunks
 
-    async def stream(self, endpoint: str, body: Any, *, request_id: str, headers: Any = None) -> AsyncIterator[Any]:
+    async def stream(
+        self, endpoint: str, body: Any, *, request_id: str, headers: Any = None, tenancy: Any = None
+    ) -> AsyncIterator[Any]:
         for _ in range(self.num_chunks):
             await asyncio.sleep(0)  # an engine step hands each chunk over on its own loop iteration
             yield CHUNK
 
-    async def send(self, endpoint: str, body: Any, *, request_id: str, headers: Any = None) -> Any:
+    async def send(self, endpoint: str, body: Any, *, request_id: str, headers: Any = None, tenancy: Any = None) -> Any:
         return {}
 
     async def count_prompt_tokens(self, body: Any) -> int:

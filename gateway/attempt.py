@@ -4,6 +4,9 @@ chunk), its timing and metrics. `Router.execute` decides around each attempt whe
     data = await Attempt(context, endpoint, body, deployment, target).send()         # the slot is released after
     stream = await Attempt(context, endpoint, body, deployment, target).open_stream()  # held until stream.aclose()
 
+Each call carries its caller's tenancy (tenant: the key's team, else the key; its weight and priority class), by which
+the local engine shares itself; upstream backends ignore it.
+
 A failure is explained for the client on its way out: a timeout says how long the request waited for the slot
 before it was sent; an upstream's own text about its failure goes to the log with the request id, never to the
 client (it may name internal hosts: backends.upstream_errors).
@@ -16,8 +19,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from auth.base import UpstreamLease
-from backends.base import Endpoint, Json
+from auth.base import Principal, UpstreamLease
+from backends.base import Endpoint, Json, ReportsStreamUsage, Tenancy
 from gateway.call_context import CallContext
 from gateway.disconnect import unless_disconnected
 from gateway.errors import BackendError, GatewayError, InvalidRequestError, UpstreamTimeoutError, upstream_malformed
@@ -26,7 +29,7 @@ from gateway.output_limits import clamp_for_upstream, take_backend_clamp
 from gateway.router import Deployment, Target
 from gateway.stream_accounting import USAGE_ENDPOINTS
 
-__all__ = ["Attempt", "OpenStream"]
+__all__ = ["Attempt", "OpenStream", "tenancy_of"]
 
 logger = logging.getLogger("unigate.pipeline")
 _MIN_REPORTED_WAIT_S = 0.05  # a shorter wait for an upstream slot is not worth a sentence in a 504's message
@@ -57,7 +60,11 @@ class Attempt:
         try:
             # A long generation: stop it (the slot is released below) if the client goes away meanwhile.
             send = self.deployment.backend.send(
-                self._endpoint, body, request_id=self._context.request_id, headers=self._context.forwarded_headers
+                self._endpoint,
+                body,
+                request_id=self._context.request_id,
+                headers=self._context.forwarded_headers,
+                tenancy=tenancy_of(self._context.principal),
             )
             data = await unless_disconnected(send)
             self._note_clamp(data)
@@ -75,7 +82,11 @@ class Attempt:
         """The stream, once its first chunk (checked and repaired) arrived; it holds the slot from then on."""
         body = await self._take_slot(stream=True)
         chunks = self.deployment.backend.stream(
-            self._endpoint, body, request_id=self._context.request_id, headers=self._context.forwarded_headers
+            self._endpoint,
+            body,
+            request_id=self._context.request_id,
+            headers=self._context.forwarded_headers,
+            tenancy=tenancy_of(self._context.principal),
         )
         try:
             try:
@@ -214,6 +225,17 @@ class OpenStream:
             await _aclose(self.chunks)
         finally:
             await self.attempt.release()
+
+    def usage_so_far(self) -> Json | None:
+        """The backend's own count of what the stream used so far (exact also once closed early), where its stream
+        keeps one (`ReportsStreamUsage`: the local engine); else None."""
+        chunks = self.chunks
+        return chunks.usage_so_far() if isinstance(chunks, ReportsStreamUsage) else None
+
+
+def tenancy_of(principal: Principal) -> Tenancy:
+    """Whose share of the local engine serves the caller: its tenant (team, else key), weight and priority."""
+    return Tenancy(principal.tenant, principal.weight, principal.priority)
 
 
 async def _aclose(chunks: AsyncIterator[Json]) -> None:

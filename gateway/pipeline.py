@@ -126,7 +126,9 @@ class Call:
         attempts = self._context.router.execute(self.target, self._open_stream, may_use=self._ledger.may_use)
         stream = await unless_disconnected(attempts)
         self._note_answer(stream.attempt, stream.first or {})
-        self._account = StreamAccount(self._endpoint, self._body, served_model=self.served_model)
+        self._account = StreamAccount(
+            self._endpoint, self._body, served_model=self.served_model, metered=stream.usage_so_far
+        )
 
     async def chunks(self) -> AsyncGenerator[Json, None]:
         """The streamed chunks, validated/repaired; the usage chunk is stripped unless the client asked."""

@@ -3,13 +3,18 @@
 Each chunk is named with the model that served; the usage it reports is merged (OpenAI-family streams report it in a
 last chunk, Anthropic events their input tokens first); the generated text is counted, which is what the ledger
 charges (as an estimate) when the stream reports no usage. A stream cut before its end (no finish reason, usage chunk
-or terminal event) is `Usage.is_cut`: its prompt is charged the bound that never undercounts (gateway/estimates.py).
+or terminal event) is `Usage.is_cut`: its prompt is charged the bound that never undercounts (gateway/estimates.py),
+unless its backend counted what it used (`metered`: the local engine's own counts, read once the stream is closed),
+which is then charged exactly.
 The pipeline always asks OpenAI-family upstreams for usage; a client that did not ask gets those usage chunks
 stripped. Other families pass untouched."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from backends.base import Endpoint, Json
+from gateway.estimates import has_counts
 from gateway.ledger import Usage
 from gateway.normalize import name_model
 
@@ -21,8 +26,11 @@ _TERMINAL_EVENTS = frozenset({"message_delta", "message_stop", "response.complet
 
 
 class StreamAccount:
-    def __init__(self, endpoint: Endpoint, body: Json, *, served_model: str) -> None:
+    def __init__(
+        self, endpoint: Endpoint, body: Json, *, served_model: str, metered: Callable[[], Json | None] | None = None
+    ) -> None:
         self._served_model = served_model
+        self._metered = metered  # the backend's own count so far (`OpenStream.usage_so_far`), if it keeps one
         self._strips_usage = endpoint in USAGE_ENDPOINTS and not _wants_usage(body)
         self._reported: Json | None = None
         self._num_completion_chars = 0
@@ -63,7 +71,12 @@ class StreamAccount:
     def usage(self) -> Usage:
         """What the stream used so far (all of it, once it ended)."""
         is_cut = self._has_started and not self._has_ended
-        return Usage(self._reported, self._num_completion_chars, has_run=self._has_started, is_cut=is_cut)
+        reported = self._reported
+        if self._has_started and not has_counts(reported) and self._metered is not None:
+            counted = self._metered()  # (a usage chunk the client left before: the same counts, up to the cut)
+            if counted is not None:
+                reported = {**(reported or {}), **counted}
+        return Usage(reported, self._num_completion_chars, has_run=self._has_started, is_cut=is_cut)
 
 
 def _wants_usage(body: Json) -> bool:

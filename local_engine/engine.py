@@ -452,6 +452,7 @@ class LLMEngine:
             # tenant -> counter, served tokens, preemptions, queue time; and its sequences waiting now
             "tenants": scheduler.fair.shares(),
             "waiting_by_tenant": dict(Counter(s.tenancy.tenant for s in scheduler.waiting)),
+            "running_by_tenant": dict(Counter(s.tenancy.tenant for s in scheduler.running)),
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_free": bm.num_free_blocks,

@@ -49,12 +49,13 @@ class FairShare:
         self.num_active: Counter[str] = Counter()  # tenant -> its unfinished sequences
         self.served_tokens: Counter[str] = Counter()  # tenant -> tokens computed for it (never reset)
         self.preemptions: Counter[str] = Counter()  # tenant -> its sequences preempted
-        self.queue_time_s: defaultdict[str, float] = defaultdict(
-            float
-        )  # tenant -> seconds its sequences waited before admission
+        # tenant -> seconds its sequences waited before admission
+        self.queue_time_s: defaultdict[str, float] = defaultdict(float)
+        self.weights: dict[str, float] = {}  # tenant -> the weight its latest sequence came with
 
-    def join(self, tenant: str) -> None:
+    def join(self, tenant: str, weight: float = 1.0) -> None:
         """A sequence of `tenant` arrives; a tenant that was idle starts at the lowest active counter."""
+        self.weights[tenant] = weight
         if not self.num_active[tenant]:
             floor = min(self.counters.values(), default=0.0)
             self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
@@ -85,11 +86,13 @@ class FairShare:
         return self.counters.get(victim.tenant, 0.0) - self.counters.get(waiting.tenant, 0.0) >= gap
 
     def shares(self) -> dict[str, dict[str, float]]:
-        """Per tenant: its counter (active ones), served tokens, preemptions and queue time since start."""
+        """Per tenant: its counter (active ones), weight (its latest sequence's), unfinished sequences, and served
+        tokens, preemptions and queue time since start."""
         tenants = set(self.counters) | set(self.served_tokens)
         return {
             tenant: {
                 "counter": self.counters.get(tenant, 0.0),
+                "weight": self.weights.get(tenant, 1.0),
                 "active_seqs": float(self.num_active[tenant]),
                 "served_tokens": float(self.served_tokens[tenant]),
                 "preemptions": float(self.preemptions[tenant]),

@@ -98,7 +98,7 @@ class Scheduler:
         return max_tokens
 
     def add(self, seq: Sequence) -> None:
-        self.fair.join(seq.tenancy.tenant)
+        self.fair.join(seq.tenancy.tenant, seq.tenancy.weight)
         self.waiting.append(seq)
 
     @property

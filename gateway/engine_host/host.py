@@ -1,10 +1,11 @@
 """`EngineHost`: one local backend served to the workers over the engine protocol (`backends.engine_protocol`).
 
-Each connection carries any number of calls, each a task of its own: an `add` streams the backend's chunks (or
-sends its response), a `count_tokens` its exact count; `get_state` is answered at once, from memory. An `abort`,
-or the connection closing, cancels the call's task, which closes the backend's stream: the engine aborts the
-request and frees its KV blocks within a step. The backend's own calls are made with no pipeline in between (the
-worker's pipeline has done auth, limits and routing), and a gateway error it raises goes back as `failed`.
+Each connection carries any number of calls, each a task of its own: an `add` streams the backend's chunks (or sends its
+response), a `count_tokens` its exact count; `get_state` is answered at once, from memory. An `add` runs under the
+caller's tenancy, and each output of a stream carries the engine's counts so far, for the worker to charge if its client
+leaves. An `abort`, or the connection closing, cancels the call's task, which closes the backend's stream: the engine
+aborts the request and frees its KV blocks within a step. The backend's own calls are made with no pipeline in between
+(the worker's pipeline has done auth, limits and routing), and a gateway error it raises goes back as `failed`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any, Protocol, cast
 
-from backends.base import Endpoint, HealthState, Json, OutputLimits
+from backends.base import Endpoint, HealthState, Json, OutputLimits, ReportsStreamUsage, Tenancy
 from backends.engine_protocol import (
     MAX_FRAME_BYTES,
     Abort,
@@ -51,11 +52,23 @@ class HostedBackend(Protocol):
     """What the host serves: the local backend's calls and reports (`backends.local.LocalBackend`)."""
 
     async def send(
-        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+        self,
+        endpoint: Endpoint,
+        body: Json,
+        *,
+        request_id: str,
+        headers: Mapping[str, str] | None = None,
+        tenancy: Tenancy | None = None,
     ) -> Json: ...
 
     def stream(
-        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Mapping[str, str] | None = None
+        self,
+        endpoint: Endpoint,
+        body: Json,
+        *,
+        request_id: str,
+        headers: Mapping[str, str] | None = None,
+        tenancy: Tenancy | None = None,
     ) -> AsyncIterator[Json]: ...
 
     async def count_prompt_tokens(self, body: Json) -> int: ...
@@ -176,13 +189,17 @@ class EngineHost:
         if message.endpoint not in _ENDPOINTS:
             raise NotFoundError(f"The engine serves no /{message.endpoint}.", code="not_found")
         endpoint = cast(Endpoint, message.endpoint)
-        call_id, request_id = message.call_id, message.request_id
+        call_id, request_id, tenancy = message.call_id, message.request_id, message.tenancy
         if not message.is_stream:
-            return Response(call_id, await self.backend.send(endpoint, message.body, request_id=request_id))
-        chunks = cast(AsyncGenerator[Json, None], self.backend.stream(endpoint, message.body, request_id=request_id))
+            answer = await self.backend.send(endpoint, message.body, request_id=request_id, tenancy=tenancy)
+            return Response(call_id, answer)
+        stream = self.backend.stream(endpoint, message.body, request_id=request_id, tenancy=tenancy)
+        meter = stream if isinstance(stream, ReportsStreamUsage) else None
+        chunks = cast(AsyncGenerator[Json, None], stream)
         try:
             async for chunk in chunks:
-                connection.send(Output(call_id, chunk))
+                # The counts so far go with each chunk: what the worker charges if its client leaves after it.
+                connection.send(Output(call_id, chunk, [] if meter is None else _counts(meter.usage_so_far())))
                 await connection.writer.drain()  # a worker that reads slowly slows its streams, not our memory
         finally:
             await chunks.aclose()  # (cancelled: the engine aborts the request)
@@ -195,3 +212,11 @@ class EngineHost:
         backend = self.backend
         context_length = backend.output_limits().context_length
         return State(call_id, os.getpid(), backend.health_state(), context_length, backend.stats())
+
+
+def _counts(usage: Json | None) -> list[int]:
+    """`[prompt, cached, generated]` tokens of a usage object (the local backend's), `[]` for none."""
+    if usage is None:
+        return []
+    details = usage.get("prompt_tokens_details") or {}
+    return [usage["prompt_tokens"], details.get("cached_tokens", 0), usage["completion_tokens"]]

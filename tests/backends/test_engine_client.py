@@ -38,13 +38,15 @@ class FakeBackend:
         self.engine_stats: dict[str, Any] = {}
         self.stream_closed = asyncio.Event()
 
-    async def send(self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Any = None) -> Json:
+    async def send(
+        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Any = None, tenancy: Any = None
+    ) -> Json:
         if body.get("mode") == "refused":
             raise InvalidRequestError("temperature must be >= 0", param="temperature")
         return {"id": "r1", "choices": [], MAX_TOKENS_CLAMPED_KEY: [100, 50]}
 
     async def stream(
-        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Any = None
+        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Any = None, tenancy: Any = None
     ) -> AsyncIterator[Json]:
         mode = body.get("mode")
         if mode == "loading":

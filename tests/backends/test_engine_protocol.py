@@ -49,11 +49,21 @@ json_values = st.recursive(
 )
 bodies = st.dictionaries(texts, json_values, max_size=4)
 messages = st.one_of(
-    st.builds(AddRequest, call_ids, texts, st.sampled_from(["chat/completions", "completions"]), st.booleans(), bodies),
+    st.builds(
+        AddRequest,
+        call_ids,
+        texts,
+        st.sampled_from(["chat/completions", "completions"]),
+        st.booleans(),
+        bodies,
+        texts,
+        st.floats(min_value=1e-6, max_value=1e6),
+        st.sampled_from(["high", "normal", "low"]),
+    ),
     st.builds(Abort, call_ids),
     st.builds(CountTokens, call_ids, bodies),
     st.builds(GetState, call_ids),
-    st.builds(Output, call_ids, bodies),
+    st.builds(Output, call_ids, bodies, st.just([]) | st.lists(st.integers(0, 2**31), min_size=3, max_size=3)),
     st.builds(Finished, call_ids),
     st.builds(Response, call_ids, bodies),
     st.builds(TokenCount, call_ids, st.integers(0, 2**31)),
@@ -214,3 +224,30 @@ def test_an_error_keeps_its_own_status_and_code() -> None:
 def test_an_unknown_error_class_is_an_engine_error() -> None:
     error = Failed(1, "SomethingNew", 500, "new_code", "boom", None, {}).to_error()
     assert type(error) is EngineError and (error.status_code, error.code) == (500, "new_code")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        ["add", 1, "r", "chat/completions", True, {}, "key-a", 1.0, "urgent"],  # no such priority
+        ["add", 1, "r", "chat/completions", True, {}, "key-a", 0.0, "normal"],  # a weight must be positive
+        ["add", 1, "r", "chat/completions", True, {}, "key-a", -2.0, "high"],
+        ["add", 1, "r", "chat/completions", True, {}, "key-a", 1, "normal"],  # a weight is a float on the wire
+        ["output", 1, {}, [1, 2]],  # counts are [prompt, cached, generated]
+        ["output", 1, {}, [1, 2, "3"]],
+        ["output", 1, {}, [1, 2, 3.0]],
+    ],
+)
+def test_a_tenancy_or_counts_out_of_their_range_is_a_protocol_error(fields: list[Any]) -> None:
+    with pytest.raises(ProtocolError):
+        decode(orjson.dumps(fields))
+
+
+def test_an_add_carries_its_tenancy_and_an_output_its_counts() -> None:
+    from backends.base import Tenancy
+
+    sent = AddRequest.of(3, "r", "completions", True, {}, Tenancy("team-a", 3, "high"))
+    received = decode(encode(sent)[4:])
+    assert isinstance(received, AddRequest) and received.tenancy == Tenancy("team-a", 3.0, "high")
+    assert AddRequest.of(3, "r", "completions", True, {}, None).tenancy == Tenancy()
+    assert decode(encode(Output(3, {}, [4028, 16, 5]))[4:]) == Output(3, {}, [4028, 16, 5])

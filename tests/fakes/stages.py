@@ -32,14 +32,28 @@ class ScriptedBackend:
     def supports(self, endpoint: str) -> bool:
         return endpoint == "chat/completions"
 
-    async def send(self, endpoint: str, body: Any, *, request_id: str, headers: Mapping[str, str] | None = None) -> Any:
+    async def send(
+        self,
+        endpoint: str,
+        body: Any,
+        *,
+        request_id: str,
+        headers: Mapping[str, str] | None = None,
+        tenancy: Any = None,
+    ) -> Any:
         self.sent.append(body)
         if isinstance(self.answer, BaseException):
             raise self.answer
         return self.answer
 
     async def stream(
-        self, endpoint: str, body: Any, *, request_id: str, headers: Mapping[str, str] | None = None
+        self,
+        endpoint: str,
+        body: Any,
+        *,
+        request_id: str,
+        headers: Mapping[str, str] | None = None,
+        tenancy: Any = None,
     ) -> AsyncIterator[Any]:
         self.sent.append(body)
         try:

@@ -198,7 +198,9 @@ class MessagesBackend:
     def supports(self, endpoint: str) -> bool:
         return endpoint == "messages"
 
-    async def stream(self, endpoint: str, body: Any, *, request_id: str, headers: Any = None) -> Any:
+    async def stream(
+        self, endpoint: str, body: Any, *, request_id: str, headers: Any = None, tenancy: Any = None
+    ) -> Any:
         yield {"type": "message_start", "message": {"usage": {"input_tokens": 11, "output_tokens": 1}}}
         yield {"type": "content_block_delta", "delta": {"type": "text_delta", "text": "hi"}}
         yield {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 5}}

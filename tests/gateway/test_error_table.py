@@ -306,7 +306,7 @@ class ExplodingBackend:
     def supports(self, endpoint: str) -> bool:
         return True
 
-    async def send(self, endpoint: str, body: Any, *, request_id: str, headers: Any = None) -> Any:
+    async def send(self, endpoint: str, body: Any, *, request_id: str, headers: Any = None, tenancy: Any = None) -> Any:
         raise RuntimeError("secret internal detail /etc/passwd")
 
     async def check_health(self) -> bool:

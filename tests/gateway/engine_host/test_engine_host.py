@@ -43,7 +43,9 @@ class SlowBackend:
     def __init__(self) -> None:
         self.closed: list[str] = []
 
-    async def send(self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Any = None) -> Json:
+    async def send(
+        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Any = None, tenancy: Any = None
+    ) -> Json:
         if body.get("refuse"):
             raise InvalidRequestError("no", param="temperature")
         if body.get("crash"):
@@ -52,7 +54,7 @@ class SlowBackend:
         return {"id": request_id}
 
     async def stream(
-        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Any = None
+        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Any = None, tenancy: Any = None
     ) -> AsyncIterator[Json]:
         try:
             for index in range(body.get("num_chunks", 1000)):
