@@ -113,6 +113,7 @@ class EventStreamResponse(Response):
             raise
         finally:
             if not pump.done():  # the client went away first
+                scope.setdefault("state", {})["client_disconnected"] = True  # the request log's "client_left"
                 await _cancel(pump)
             watcher.cancel()
             try:
