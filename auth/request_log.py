@@ -25,7 +25,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
@@ -88,7 +88,7 @@ class RequestRecord:
     duration_ms: float = 0.0
 
     def to_json(self) -> bytes:
-        return orjson.dumps(asdict(self))
+        return orjson.dumps(self)  # orjson writes dataclasses itself (dataclasses.asdict costs ~13x more)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> RequestRecord:
