@@ -73,6 +73,8 @@ async def test_defaults_and_paging(admin: httpx.AsyncClient) -> None:
     assert page3["has_more"] is False and page3["last_id"] == teams[4]["id"]
     bad = await admin.get("/admin/teams", params={"limit": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+    unknown = await admin.get("/admin/teams", params={"after": "team_0000000000000000"})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "after"
 
 
 @pytest.mark.parametrize(
