@@ -4,6 +4,12 @@ must be. Hypothesis picks the steps (create keys, set and unset each limit, admi
 above / below / at the reservation, fail before the first token, drop mid-stream, settle twice, rotate, revoke,
 move the clock across minutes, UTC days and months); after every step the Redis state must equal the model's.
 
+Teams: a team is modelled like a key (the same limits, logs, holds and usage, under its own names); keys move in
+and out of teams, and a request of a key in a team is admitted by both or charged to neither (a refusal by one
+side leaves no entry on the other: the invariants compare every log of both), settled on both with the same
+usage. Two requests admitted at once (their admissions pipelined together) must each be explained by the model:
+an admitted pair fits in some serial order, and a refusal would be one with the other request counted.
+
 Time: the scripts read the clock through one prelude function, `now_ms()`. `ScriptSet(clock_key=...)` builds the
 same scripts with `now_ms()` reading an integer (ms) from a Redis key that the test sets, so the test moves time
 forward by hours or months in one step without `DEBUG` commands, sleeping, or touching the system clock. Only the
@@ -16,6 +22,7 @@ run on real time, which is far shorter than any example's run (every example fin
 from __future__ import annotations
 
 import asyncio
+import copy
 import datetime as dt
 import os
 from dataclasses import dataclass, field, replace
@@ -43,6 +50,7 @@ from auth.base import Admission, BudgetCost, SettleUsage
 from auth.redis_client import connect
 from auth.scripts import ScriptSet
 from auth.store import KeyStore, period_key
+from auth.teams import TeamStore
 from gateway.errors import GatewayError
 from gateway.routing_config import PricingConfig
 
@@ -59,6 +67,14 @@ token_limit = st.none() | st.integers(0, 400)
 concurrency = st.none() | st.integers(1, 3)
 usd_budget = st.none() | st.sampled_from([Decimal(0), Decimal("0.000020"), Decimal("0.0001")])
 periods = st.sampled_from(["total", "day", "month"])
+LIMIT_STRATEGIES = {
+    "rpm": limit,
+    "tpm": token_limit,
+    "max_concurrent": concurrency,
+    "token_budget": token_limit,
+    "budget_micros": st.none() | st.integers(0, 150),
+    "budget_period": periods,
+}
 
 
 def _day(now_ms: int) -> str:
@@ -93,6 +109,8 @@ class KeyModel:
     period_spend_micros: int = 0
     usage_days: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     usage_total: dict[str, list[int]] = field(default_factory=dict)
+    team: KeyModel | None = None  # a key's team (a team is modelled as a key: `team_id` set, `id` its state id)
+    team_id: str | None = None  # set on a team's model only
 
     def live_tokens(self, now: int) -> int:
         return sum(tokens for time, tokens in self.tpm_log.values() if time > now - WINDOW_MS)
@@ -201,6 +219,16 @@ class Request:
     admission: Admission
     estimate: int
     hold: tuple[int, int] = (0, 0)  # the budget hold: worst-case tokens and micros
+    team: KeyModel | None = None  # the team admitted with the key (settled with it, wherever the key is now)
+
+
+def _decide(key: KeyModel, now: int, estimate: int, hold: tuple[int, int]) -> tuple[str, bool]:
+    """The decision on a key's request and whether it was its team's: the key's checks first, then its team's."""
+    expected = key.decide(now, estimate, hold)
+    if expected == "ok" and key.team is not None:
+        team_decision = key.team.decide(now, estimate, hold)
+        return team_decision, team_decision != "ok"
+    return expected, False
 
 
 def _usage_rows(raw: dict[bytes, bytes]) -> dict[str, list[int]]:
@@ -217,6 +245,7 @@ class AccountingMachine(RuleBasedStateMachine):
     data_dir = Path(".")
 
     keys = Bundle("keys")
+    teams = Bundle("teams")
     requests = Bundle("requests")
     settled = Bundle("settled")
 
@@ -229,6 +258,7 @@ class AccountingMachine(RuleBasedStateMachine):
         self.run(self.redis.set(CLOCK_KEY, self.now))
         script_set = ScriptSet(clock_key=CLOCK_KEY)
         self.store = KeyStore(self.redis, scripts=script_set)
+        self.team_store = TeamStore(self.redis, scripts=script_set)
         self.access = RedisAccess(
             connect(self.redis_url),
             config=AccessConfig(lease_ttl_s=LEASE_TTL_MS / 1000),
@@ -281,21 +311,55 @@ class AccountingMachine(RuleBasedStateMachine):
         data=st.data(),
     )
     def change_limit(self, key: KeyModel, name: str, data: st.DataObject) -> None:
-        strategy = {
-            "rpm": limit,
-            "tpm": token_limit,
-            "max_concurrent": concurrency,
-            "token_budget": token_limit,
-            "budget_micros": st.none() | st.integers(0, 150),
-            "budget_period": periods,
-        }[name]
-        value = data.draw(strategy, label=name)
+        value = data.draw(LIMIT_STRATEGIES[name], label=name)
         self.run(self.store.update(key.id, {name: value}))
         key.is_budget_fixed = key.is_budget_fixed and name not in ("token_budget", "budget_micros", "budget_period")
         if name == "budget_period":
             key.change_period(value, self.now)
         else:
             setattr(key, name, value)
+
+    # -- teams ---------------------------------------------------------------------------------------------------
+
+    @rule(
+        target=teams,
+        rpm=limit,
+        tpm=token_limit,
+        max_concurrent=concurrency,
+        token_budget=token_limit,
+        budget_usd=usd_budget,
+        budget_period=periods,
+    )
+    def create_team(self, **fields: Any) -> KeyModel:
+        budget_usd = fields.pop("budget_usd")
+        budget_micros = None if budget_usd is None else int(budget_usd * 1_000_000)
+        record = self.run(self.team_store.create(name=f"team{len(self.models)}", budget_micros=budget_micros, **fields))
+        team = KeyModel(
+            id=redis_names.team_state_id(record.id), secret="", team_id=record.id, budget_micros=budget_micros, **fields
+        )
+        self.models.append(team)
+        return team
+
+    @rule(
+        team=teams,
+        name=st.sampled_from(["rpm", "tpm", "max_concurrent", "token_budget", "budget_micros", "budget_period"]),
+        data=st.data(),
+    )
+    def change_team_limit(self, team: KeyModel, name: str, data: st.DataObject) -> None:
+        value = data.draw(LIMIT_STRATEGIES[name], label=name)
+        assert team.team_id is not None
+        self.run(self.team_store.update(team.team_id, {name: value}))
+        team.is_budget_fixed = team.is_budget_fixed and name not in ("token_budget", "budget_micros", "budget_period")
+        if name == "budget_period":
+            team.change_period(value, self.now)
+        else:
+            setattr(team, name, value)
+
+    @rule(key=keys, team=st.none() | teams)
+    def move_key(self, key: KeyModel, team: KeyModel | None) -> None:
+        """Into a team, to another, or out (requests in flight settle on the team they were admitted with)."""
+        self.run(self.store.update(key.id, {"team_id": team.team_id if team is not None else None}))
+        key.team = team
 
     @rule(key=keys)
     def rotate(self, key: KeyModel) -> None:
@@ -324,17 +388,86 @@ class AccountingMachine(RuleBasedStateMachine):
         """Several requests may be admitted before any settles; each holds its worst case against the budgets
         (the cost: the dearest of the model and its fallback, as every key here may use every model)."""
         hold = (hold_tokens, max(costs))
-        expected = key.decide(self.now, estimate, hold)
+        expected, is_team_refusal = _decide(key, self.now, estimate, hold)
         budget = BudgetCost(hold_tokens, ((model, costs[0]), ("fallback", costs[1])))
         try:
             admission = self.run(self.access.admit(key.secret, model=model, estimated_tokens=estimate, budget=budget))
         except GatewayError as error:
             assert error.code == expected, (error.code, expected, error.message)
+            assert ("team '" in error.message) == is_team_refusal, error.message
             return multiple()
         assert expected == "ok", f"admitted, but the model says {expected}"
+        return self._admitted(key, admission, estimate, hold)
+
+    def _admitted(self, key: KeyModel, admission: Admission, estimate: int, hold: tuple[int, int]) -> Request:
         assert admission.lease_id is not None
+        assert admission.team_id == (key.team.team_id if key.team is not None else None)
         key.admit(self.now, admission.lease_id, estimate, hold)
-        return Request(key, admission, estimate, hold if key.is_budgeted else (0, 0))
+        if key.team is not None:
+            key.team.admit(self.now, admission.lease_id, estimate, hold)
+        return Request(key, admission, estimate, hold if key.is_budgeted else (0, 0), key.team)
+
+    @rule(
+        target=requests,
+        first=keys,
+        second=keys,
+        estimates=st.tuples(st.integers(0, 150), st.integers(0, 150)),
+        hold_tokens=st.integers(0, 200),
+        cost=st.integers(0, 60),
+    )
+    def admit_concurrently(
+        self, first: KeyModel, second: KeyModel, estimates: tuple[int, int], hold_tokens: int, cost: int
+    ) -> Any:
+        """Two requests at once (often two keys of one team): their admissions go out together. Each outcome must
+        be explained: an admitted pair fits one after the other in some order, an admitted one fits, and a refused
+        one is refused by the model with or without the other counted (a cancelled half counts briefly)."""
+        hold = (hold_tokens, cost)
+        budget = BudgetCost(hold_tokens, (("priced", cost),))
+        asks = [(first, estimates[0]), (second, estimates[1])]
+
+        async def both() -> list[Admission | BaseException]:
+            return await asyncio.gather(
+                *(self.access.admit(k.secret, model="priced", estimated_tokens=e, budget=budget) for k, e in asks),
+                return_exceptions=True,
+            )
+
+        outcomes = self.run(both())
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, GatewayError):
+                raise outcome
+        admitted = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, Admission)]
+        if len(admitted) == 2:
+            assert any(self._fits_in_order(asks, order, hold) for order in ((0, 1), (1, 0))), "both admitted"
+        for i, outcome in enumerate(outcomes):
+            key, estimate = asks[i]
+            alone = _decide(key, self.now, estimate, hold)[0]
+            if isinstance(outcome, Admission):
+                assert alone == "ok", f"admitted, but the model says {alone}"
+            else:
+                assert isinstance(outcome, GatewayError)
+                after_other = self._decide_after(asks, 1 - i, i, hold)
+                assert outcome.code in (alone, after_other), (outcome.code, alone, after_other)
+        requests = []
+        for i in admitted:
+            admission = outcomes[i]
+            assert isinstance(admission, Admission)
+            requests.append(self._admitted(asks[i][0], admission, asks[i][1], hold))
+        return multiple(*requests)
+
+    def _fits_in_order(self, asks: list[tuple[KeyModel, int]], order: tuple[int, int], hold: tuple[int, int]) -> bool:
+        return _decide(asks[order[0]][0], self.now, asks[order[0]][1], hold)[0] == "ok" and (
+            self._decide_after(asks, order[0], order[1], hold) == "ok"
+        )
+
+    def _decide_after(self, asks: list[tuple[KeyModel, int]], before: int, then: int, hold: tuple[int, int]) -> str:
+        """`then`'s decision with `before` admitted first (on copies of the models)."""
+        first_key, first_estimate = asks[before]
+        memo: dict[int, Any] = {}
+        key_copy, then_copy = copy.deepcopy(first_key, memo), copy.deepcopy(asks[then][0], memo)
+        key_copy.admit(self.now, "probe", first_estimate, hold)
+        if key_copy.team is not None:
+            key_copy.team.admit(self.now, "probe", first_estimate, hold)
+        return _decide(then_copy, self.now, asks[then][1], hold)[0]
 
     @rule(key=keys, estimate=st.integers(0, 50))
     def admit_with_old_secret(self, key: KeyModel, estimate: int) -> None:
@@ -377,6 +510,8 @@ class AccountingMachine(RuleBasedStateMachine):
         )
         assert request.admission.lease_id is not None
         request.key.settle(self.now, request.admission.lease_id, reserved, prompt, completion, model)
+        if request.team is not None:
+            request.team.settle(self.now, request.admission.lease_id, reserved, prompt, completion, model)
         return request
 
     @rule(request=settled, prompt=st.integers(0, 300), completion=st.integers(0, 300))
@@ -420,7 +555,7 @@ class AccountingMachine(RuleBasedStateMachine):
 
     async def _check_key(self, key: KeyModel) -> None:
         redis, now = self.redis, self.now
-        record = await self.store.get(key.id)
+        record = await (self.team_store.get(key.team_id) if key.team_id is not None else self.store.get(key.id))
         assert (record.num_requests, record.prompt_tokens, record.completion_tokens) == (
             key.num_requests,
             key.prompt_tokens,
