@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 from auth import redis_names
 from auth.access import RedisAccess
 from auth.base import Admission, BudgetCost, SettleUsage
+from auth.resp_pipe import CommandPipe
 from auth.store import KeyStore
 from auth.teams import TeamStore
 from gateway.errors import GatewayError
@@ -170,3 +171,30 @@ async def test_a_deleted_team_leaves_its_keys_with_their_own_limits(
     admission = await access.admit(secret, model="m", estimated_tokens=1)
     assert admission.team_id is None
     assert (await store.get(key.id)).team_id is None
+
+
+async def test_one_round_trip_with_or_without_a_team(make_access: Any, teams: TeamStore, store: KeyStore) -> None:
+    """Once the key (and its team) are cached: a key without a team is admitted in one write to Redis, a key in a
+    team too (its two admissions share the write)."""
+    access: RedisAccess = await make_access()
+    pipe = access._pipe
+    if not isinstance(pipe, CommandPipe):
+        pytest.skip("a cluster's pipe writes to each node on its own")
+    team = await teams.create(name="t", rpm=100)
+    _, alone = await store.create({"rpm": 100})
+    _, in_team = await store.create({"rpm": 100}, team_id=team.id)
+    for secret in (alone, in_team):
+        await access.admit(secret, model="m", estimated_tokens=1)  # learn the key and its team
+    connection = pipe._connection
+    send = connection.send_packed_command
+    writes: list[bytes] = []
+
+    async def counting(data: Any, check_health: bool = True) -> None:
+        writes.append(bytes(data))
+        await send(data, check_health=check_health)
+
+    connection.send_packed_command = counting  # type: ignore[method-assign]
+    for secret, num_scripts in ((alone, 1), (in_team, 2)):
+        writes.clear()
+        await access.admit(secret, model="m", estimated_tokens=1)
+        assert len(writes) == 1 and writes[0].count(b"EVALSHA") == num_scripts
