@@ -1,10 +1,63 @@
-/* Engine: every local engine live, from GET /admin/engine once a second, with the last minute as charts. */
+/* Engine: every local engine live, from GET /admin/engine once a second, with the last minute as charts, and how
+ * the engine shares itself between tenants (a key's team, else the key): each one's weight, running and waiting
+ * sequences, tokens served since start and its share of the tokens served over the last SHARE_WINDOW polls. */
 (function () {
   'use strict';
   const UG = window.UG;
   const h = UG.h;
   const POLL_MS = 1000;
   const HISTORY = 60;
+  const SHARE_WINDOW = 10; // polls (seconds) over which the "share now" column counts served tokens
+  const MAX_TENANT_ROWS = 20; // the most served tenants; the rest are counted in one line
+
+  /** tenant -> tokens served since start, from a stats answer (its `tenants`). */
+  function servedOf(s) {
+    const served = {};
+    for (const [tenant, v] of Object.entries(s.tenants || {})) served[tenant] = v.served_tokens || 0;
+    return served;
+  }
+
+  /** The shares table of one engine: `before` is the served tokens SHARE_WINDOW polls ago (or the oldest kept). */
+  function sharesTable(s, before) {
+    const tenants = s.tenants || {};
+    const waiting = s.waiting_by_tenant || {};
+    const running = s.running_by_tenant || {};
+    const names = Array.from(new Set([...Object.keys(tenants), ...Object.keys(waiting), ...Object.keys(running)]));
+    if (!names.length) return null;
+    const served = servedOf(s);
+    const recent = {};
+    let recentTotal = 0;
+    let total = 0;
+    for (const name of names) {
+      recent[name] = Math.max(0, (served[name] || 0) - ((before && before[name]) || 0));
+      recentTotal += recent[name];
+      total += served[name] || 0;
+    }
+    names.sort((a, b) => (recent[b] - recent[a]) || ((served[b] || 0) - (served[a] || 0)) || a.localeCompare(b));
+    const rows = names.slice(0, MAX_TENANT_ROWS).map((name) => {
+      const t = tenants[name] || {};
+      return h('tr', { 'data-tenant': name },
+        h('td', {}, name || 'anonymous'),
+        h('td', { class: 'num', 'data-col': 'weight' }, t.weight === undefined ? '—' : UG.fmt(t.weight)),
+        h('td', { class: 'num', 'data-col': 'running' }, UG.fmt(running[name] || 0)),
+        h('td', { class: 'num', 'data-col': 'waiting' }, UG.fmt(waiting[name] || 0)),
+        h('td', { class: 'num', 'data-col': 'served' }, UG.fmt(served[name] || 0)),
+        h('td', { class: 'num', 'data-col': 'share' }, recentTotal ? UG.pct(recent[name] / recentTotal) : '—'),
+        h('td', { class: 'num', 'data-col': 'share_total' }, total ? UG.pct((served[name] || 0) / total) : '—'),
+        h('td', { class: 'num', 'data-col': 'preemptions' }, UG.fmt(t.preemptions || 0)),
+        h('td', { class: 'num', 'data-col': 'queue' }, UG.fmt(t.queue_time_s || 0, 1)));
+    });
+    const hidden = names.length - rows.length;
+    return h('div', { class: 'shares', 'data-shares': s.name },
+      h('h3', {}, 'Shares by tenant'),
+      h('p', { class: 'muted' }, 'A tenant is a key\'s team, else the key. The engine admits (and, when full, ' +
+        'preempts) by each tenant\'s tokens served per unit of weight; "share now" counts the last ' +
+        SHARE_WINDOW + ' s.' + (hidden > 0 ? ' ' + hidden + ' less served tenants are not listed.' : '')),
+      h('div', { class: 'table-wrap' }, h('table', {},
+        h('thead', {}, h('tr', {}, ['Tenant', 'Weight', 'Running', 'Waiting', 'Tokens served', 'Share now',
+          'Share since start', 'Preemptions', 'Queue time (s)'].map((label) => h('th', {}, label)))),
+        h('tbody', {}, rows))));
+  }
 
   function stat(label, value, name) {
     return h('div', { class: 'stat', 'data-stat': name },
@@ -16,7 +69,7 @@
     render(root) {
       const box = h('div', { id: 'engines' });
       const error = h('p', { class: 'error' });
-      const history = {}; // engine name -> [{t, running, waiting, gen, prompt}]
+      const history = {}; // engine name -> [{t, running, waiting, gen, prompt, served}]
       const started = Date.now();
       root.append(h('h1', {}, 'Engine'), h('p', { class: 'muted' }, 'Local engines, refreshed every second.'), error,
         box);
@@ -31,7 +84,7 @@
         for (const s of result.data) {
           const list = history[s.name] = history[s.name] || [];
           list.push({ t: t, running: s.num_running_seqs || 0, waiting: s.num_waiting_seqs || 0,
-            gen: s.generation_tokens_per_s || 0, prompt: s.prompt_tokens_per_s || 0 });
+            gen: s.generation_tokens_per_s || 0, prompt: s.prompt_tokens_per_s || 0, served: servedOf(s) });
           if (list.length > HISTORY) list.shift();
         }
         draw(result.data);
@@ -96,10 +149,12 @@
           stats.push(stat('Speculative acceptance (' + s.spec_method + ')', UG.pct(s.spec_acceptance_rate) + ' · ' +
             UG.fmt(s.spec_mean_tokens_per_step, 2) + ' tok/step', 'spec'));
         }
+        const before = points.length ? points[Math.max(0, points.length - 1 - SHARE_WINDOW)].served : null;
         return [h('div', { class: 'card engine', 'data-engine': s.name }, head,
           h('p', { class: 'muted' }, [s.device, s.dtype, 'KV ' + s.kv_cache_dtype, s.attention_backend, s.ops,
             'context ' + UG.fmt(s.max_model_len)].filter(Boolean).join(' · ')),
           h('div', { class: 'grid' }, stats),
+          sharesTable(s, before),
           h('div', { class: 'grid wide' }, kvMeter, memoryChart),
           h('div', { class: 'grid wide' }, queues, rates)), drawCharts];
       }
