@@ -23,7 +23,8 @@
 --                      member in KEYS[7] (removed: the charge replaces it), 1 when the counts are an estimate
 --                      (the upstream reported none; counted as "<model>|estimated_requests")
 --
--- Returns one flag per request: 1 when this call settled it, 0 when it had already been settled.
+-- Returns one flag per request: 1 when this call settled it, 0 when it had already been settled (or, for a team's
+-- state, when the team has been deleted since the admission: nothing is written, so no half record reappears).
 --
 -- Token log rules (the admission script reads them): a reservation still in the window is replaced by the real
 -- figure (refund or charge the difference at the reservation's time); a charge above a reservation that already
@@ -54,6 +55,10 @@ local function int(n) return string.format('%d', n) end
 
 local now = now_ms()
 local settled = {}
+if string.find(name_prefix, '{team:', 1, true) and redis.call('EXISTS', record_key) == 0 then
+  for i = 1, #KEYS - 7 do settled[i] = 0 end
+  return settled
+end
 local tpm_limit = nil  -- read once, only when a charge lands after its reservation left the window
 local tpm_delta, tpm_touched = 0, false
 local sum_prompt, sum_completion, sum_cost, num_settled = 0, 0, 0, 0

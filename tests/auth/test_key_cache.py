@@ -89,3 +89,25 @@ async def test_a_published_key_change_drops_the_key(redis_url: str) -> None:
     finally:
         await cache.aclose()
         await client.aclose()
+
+
+def test_a_team_change_drops_its_keys_and_the_team_sets_the_principal() -> None:
+    cache = idle_cache()
+    member = cache.remember("m", record("k1", team_id="team_a", weight="0.5", priority="low"))
+    cache.remember("o", record("k2"))
+    assert (member.principal.team_id, member.principal.weight, member.principal.priority) == ("team_a", 0.5, "low")
+    team = key_cache.CachedTeam.from_hash(
+        {"id": "team_a", "version": "2", "name": "ops", "models": '["x/*"]', "weight": "4", "priority": "high"}
+    )
+    member.set_team(team)
+    principal = member.principal
+    assert (principal.weight, principal.priority, principal.team_name, principal.tenant) == (
+        4.0,
+        "high",
+        "ops",
+        "team_a",
+    )
+    assert principal.may_use("x/y") and not principal.may_use("z")
+    assert cache.remember("m", record("k1", team_id="team_a")).team is team  # a key change keeps its team's record
+    cache.invalidate("team_a")
+    assert cache.get("m") is None and cache.get("o") is not None

@@ -173,6 +173,21 @@ async def test_a_deleted_team_leaves_its_keys_with_their_own_limits(
     assert (await store.get(key.id)).team_id is None
 
 
+async def test_a_request_in_flight_when_its_team_is_deleted_settles_on_the_key_only(
+    make_access: Any, teams: TeamStore, store: KeyStore, redis: Redis
+) -> None:
+    team = await teams.create(name="t", rpm=5)
+    key, secret = await store.create({}, team_id=team.id)
+    access: RedisAccess = await make_access()
+    admission = await access.admit(secret, model="m", estimated_tokens=1)
+    assert admission.team_id == team.id
+    await teams.delete(team.id, force=True)
+    await access.settle(admission, SettleUsage(3, 4))
+    assert (await store.get(key.id)).num_requests == 1
+    state = redis_names.team_state_id(team.id)
+    assert not await redis.exists(redis_names.team_record(team.id), redis_names.key_usage_total(state))
+
+
 async def test_one_round_trip_with_or_without_a_team(make_access: Any, teams: TeamStore, store: KeyStore) -> None:
     """Once the key (and its team) are cached: a key without a team is admitted in one write to Redis, a key in a
     team too (its two admissions share the write)."""
