@@ -72,7 +72,7 @@ class OpenAIBackend:
         headers: Mapping[str, str] | None = None,
         tenancy: Tenancy | None = None,  # (an upstream serves everyone alike)
     ) -> Json:
-        return await self._upstream.send(endpoint, body, request_id=request_id)
+        return await self._upstream.send(endpoint, body, request_id=request_id, headers=_trace_context(headers))
 
     def stream(
         self,
@@ -83,7 +83,7 @@ class OpenAIBackend:
         headers: Mapping[str, str] | None = None,
         tenancy: Tenancy | None = None,  # (an upstream serves everyone alike)
     ) -> AsyncIterator[Json]:
-        return self._upstream.stream(endpoint, body, request_id=request_id)
+        return self._upstream.stream(endpoint, body, request_id=request_id, headers=_trace_context(headers))
 
     async def check_health(self) -> bool:
         return await self._upstream.check_health()
@@ -94,3 +94,14 @@ class OpenAIBackend:
 
     async def aclose(self) -> None:
         await self._upstream.aclose()
+
+
+_TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+def _trace_context(headers: Mapping[str, str] | None) -> dict[str, str] | None:
+    """Of the headers the gateway hands over, what an OpenAI-compatible upstream gets: the W3C trace context (the
+    client's own headers, e.g. `anthropic-beta`, are for Anthropic upstreams only)."""
+    if not headers:
+        return None
+    return {name: headers[name] for name in _TRACE_HEADERS if name in headers} or None

@@ -14,10 +14,12 @@ client (it may name internal hosts: backends.upstream_errors).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from auth.base import Principal, UpstreamLease
 from backends.base import Endpoint, Json, ReportsStreamUsage, Tenancy
@@ -26,6 +28,7 @@ from gateway.disconnect import unless_disconnected
 from gateway.errors import BackendError, GatewayError, InvalidRequestError, UpstreamTimeoutError, upstream_malformed
 from gateway.normalize import normalize_chunk, normalize_response
 from gateway.output_limits import clamp_for_upstream, take_backend_clamp
+from gateway.request_trace import RequestTrace
 from gateway.router import Deployment, Target
 from gateway.stream_accounting import USAGE_ENDPOINTS
 
@@ -52,31 +55,32 @@ class Attempt:
         self._clamped_here: tuple[int, int] | None = None
         self._slot_wait_s = 0.0
         self._started = 0.0
+        self._trace = RequestTrace.of(context.request_state)  # the request log's and the spans' notes
+        self._headers = context.forwarded_headers  # plus the attempt span's `traceparent` when tracing
 
     async def send(self) -> Json:
         """The answer, checked and repaired; the slot is released whatever happens."""
         body = await self._take_slot(stream=False)
-        outcome = "error"
         try:
             # A long generation: stop it (the slot is released below) if the client goes away meanwhile.
             send = self.deployment.backend.send(
                 self._endpoint,
                 body,
                 request_id=self._context.request_id,
-                headers=self._context.forwarded_headers,
+                headers=self._headers,
                 tenancy=tenancy_of(self._context.principal),
             )
             data = await unless_disconnected(send)
             self._note_clamp(data)
             data = normalize_response(self._endpoint, data)
-            outcome = "ok"
-            return data
         except BaseException as error:
             self._explain(error)
-            raise
-        finally:
-            self._observe(outcome)
+            self._observe("error", error)
             await self.release()
+            raise
+        self._observe("ok")
+        await self.release()
+        return data
 
     async def open_stream(self) -> OpenStream:
         """The stream, once its first chunk (checked and repaired) arrived; it holds the slot from then on."""
@@ -85,7 +89,7 @@ class Attempt:
             self._endpoint,
             body,
             request_id=self._context.request_id,
-            headers=self._context.forwarded_headers,
+            headers=self._headers,
             tenancy=tenancy_of(self._context.principal),
         )
         try:
@@ -97,7 +101,7 @@ class Attempt:
             first = normalize_chunk(self._endpoint, first)
         except BaseException as error:
             self._explain(error)
-            self._observe("error")
+            self._observe("error", error)
             try:
                 await _aclose(chunks)
             finally:
@@ -133,9 +137,19 @@ class Attempt:
         a timeout's message counts the wait), then the clock for the upstream metrics."""
         body = self._upstream_body(stream=stream)
         self._clamped_here = clamp_for_upstream(self.deployment, body)
+        if self._trace is not None:
+            traceparent = self._trace.attempt_started(self.deployment.name, _server_address(self.deployment))
+            if traceparent:
+                self._headers = {**(self._headers or {}), **traceparent}
         wait_started = time.perf_counter()
-        self._lease = await self._acquire()
+        try:
+            self._lease = await self._acquire()
+        except BaseException as error:
+            self._observe("error", error)
+            raise
         self._slot_wait_s = time.perf_counter() - wait_started
+        if self._trace is not None and self.deployment.config.max_in_flight is not None:
+            self._trace.slot_waited(wait_started, wait_started + self._slot_wait_s)
         self.deployment.num_in_flight += 1
         self._is_holding = True
         self._started = time.perf_counter()
@@ -177,8 +191,18 @@ class Attempt:
         reported = take_backend_clamp(data) if isinstance(data, dict) else None
         self.clamped = reported if reported is not None else self._clamped_here
 
-    def _observe(self, outcome: str) -> None:
-        self._context.metrics.observe_upstream(self.deployment.name, outcome, time.perf_counter() - self._started)
+    def _observe(self, outcome: str, error: BaseException | None = None) -> None:
+        elapsed = time.perf_counter() - self._started if self._started else 0.0
+        if self._started:
+            self._context.metrics.observe_upstream(self.deployment.name, outcome, elapsed)
+        if self._trace is not None:
+            if error is None:
+                self._trace.attempted(self.deployment.name, 200, elapsed)
+            elif isinstance(error, GatewayError):
+                self._trace.attempted(self.deployment.name, error.status_code, elapsed, error.code)
+            else:  # cancelled (the client left, a deadline) or a bug of ours
+                reason = "cancelled" if isinstance(error, asyncio.CancelledError) else "internal_error"
+                self._trace.attempted(self.deployment.name, 0, elapsed, reason)
 
     def _explain(self, error: BaseException) -> None:
         if isinstance(error, UpstreamTimeoutError):
@@ -236,6 +260,12 @@ class OpenStream:
 def tenancy_of(principal: Principal) -> Tenancy:
     """Whose share of the local engine serves the caller: its tenant (team, else key), weight and priority."""
     return Tenancy(principal.tenant, principal.weight, principal.priority)
+
+
+def _server_address(deployment: Deployment) -> str | None:
+    """The upstream's host (a span's `server.address`); None for the local engine."""
+    base_url = getattr(deployment.config, "base_url", None)
+    return urlsplit(base_url).hostname if isinstance(base_url, str) else None
 
 
 async def _aclose(chunks: AsyncIterator[Json]) -> None:

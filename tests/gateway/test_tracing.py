@@ -1,0 +1,196 @@
+"""OpenTelemetry traces end to end: a gateway configured only through `OTEL_*` variables exports over OTLP/HTTP to
+a receiver in this process, which decodes the protobuf with `opentelemetry-proto`. Checked: the span tree of one
+request, the GenAI attributes, the client's `traceparent` continued, the upstream called with the attempt's span as
+parent, errors marked, and no prompt or answer text anywhere in the export. Off without the variables."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import pytest
+from fakes.app import MASTER, build_app, deployment
+from fakes.server import ThreadedServer
+from fakes.upstream import PROMPT_TOKENS, Behavior, FakeUpstream
+
+pytest.importorskip("opentelemetry.sdk")
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from gateway.tracing import tracing_from_env
+
+SECRET_PROMPT = "my password is hunter2 and the vault code 8812"
+CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN_ID = "00f067aa0ba902b7"
+
+
+class Receiver:
+    """An OTLP/HTTP traces endpoint: POST /v1/traces bodies, decoded."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", "0")))
+                if self.path == "/v1/traces":
+                    receiver.bodies.append(body)
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def spans(self) -> list[Any]:
+        found = []
+        for body in self.bodies:
+            request = ExportTraceServiceRequest()
+            request.ParseFromString(body)
+            for resource_spans in request.resource_spans:
+                for scope_spans in resource_spans.scope_spans:
+                    found.extend(scope_spans.spans)
+        return found
+
+    def service_names(self) -> set[str]:
+        names = set()
+        for body in self.bodies:
+            request = ExportTraceServiceRequest()
+            request.ParseFromString(body)
+            for resource_spans in request.resource_spans:
+                for attribute in resource_spans.resource.attributes:
+                    if attribute.key == "service.name":
+                        names.add(attribute.value.string_value)
+        return names
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    receiver = Receiver()
+    receiver.thread.start()
+    yield receiver
+    receiver.server.shutdown()
+
+
+def attributes(span: Any) -> dict[str, Any]:
+    values = {}
+    for attribute in span.attributes:
+        value = attribute.value
+        values[attribute.key] = getattr(value, value.WhichOneof("value"))
+    return values
+
+
+def run_gateway(
+    monkeypatch: pytest.MonkeyPatch, receiver: Receiver, upstream: FakeUpstream, requests: list[dict[str, Any]]
+) -> list[httpx.Response]:
+    """Serve a traced gateway, send `requests` (kwargs for httpx), stop it (which flushes the spans)."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url)
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "gateway-under-test")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    models = {"models": [{"id": "m", "deployments": [deployment(upstream, name="up", max_in_flight=4)]}]}
+    server = ThreadedServer(build_app(routing=models)).start()
+    responses = []
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            for request in requests:
+                responses.append(client.request("POST", **request))
+    finally:
+        server.stop()
+    return responses
+
+
+def test_one_request_is_one_span_tree_with_the_genai_attributes(
+    monkeypatch: pytest.MonkeyPatch, receiver: Receiver, fake_upstream: FakeUpstream
+) -> None:
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": SECRET_PROMPT}]}
+    headers = {"authorization": f"Bearer {MASTER}", "traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"}
+    (response,) = run_gateway(
+        monkeypatch, receiver, fake_upstream, [{"url": "/v1/chat/completions", "json": body, "headers": headers}]
+    )
+    assert response.status_code == 200
+    spans = receiver.spans()
+    assert receiver.service_names() == {"gateway-under-test"}
+    (root,) = [s for s in spans if s.name == "chat m"]
+    assert root.trace_id.hex() == CLIENT_TRACE_ID and root.parent_span_id.hex() == CLIENT_SPAN_ID
+    assert root.kind == root.SPAN_KIND_SERVER
+    values = attributes(root)
+    assert values["gen_ai.operation.name"] == "chat"
+    assert values["gen_ai.request.model"] == "m" and values["gen_ai.response.model"] == "m"
+    assert values["gen_ai.request.max_tokens"] == 5
+    usage = response.json()["usage"]
+    assert values["gen_ai.usage.input_tokens"] == usage["prompt_tokens"] == PROMPT_TOKENS
+    assert values["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
+    assert values["unigate.key_id"] == "master" and values["unigate.deployment"] == "up"
+    assert values["unigate.request_id"] == response.headers["x-request-id"]
+    assert "error.type" not in values
+
+    children = {s.name: s for s in spans if s.parent_span_id == root.span_id}
+    assert set(children) == {"unigate.authenticate", "unigate.admission", "unigate.attempt up", "unigate.settle"}
+    assert all(s.trace_id == root.trace_id for s in spans)
+    attempt = children["unigate.attempt up"]
+    assert attempt.kind == attempt.SPAN_KIND_CLIENT
+    assert attributes(attempt)["server.address"] == "127.0.0.1"
+    assert [s.name for s in spans if s.parent_span_id == attempt.span_id] == ["unigate.upstream_slot"]
+    for span in spans:
+        assert root.start_time_unix_nano <= span.start_time_unix_nano <= span.end_time_unix_nano
+        assert span.end_time_unix_nano <= root.end_time_unix_nano
+
+    # The upstream was called as the attempt's child.
+    traceparent = fake_upstream.requests[-1].headers["traceparent"]
+    assert traceparent.split("-")[1:3] == [CLIENT_TRACE_ID, attempt.span_id.hex()]
+
+    export = b"".join(receiver.bodies)
+    assert b"hunter2" not in export and b"vault" not in export and b"t0 " not in export
+
+
+def test_a_stream_has_its_own_span_and_an_error_marks_the_root(
+    monkeypatch: pytest.MonkeyPatch, receiver: Receiver, fake_upstream: FakeUpstream
+) -> None:
+    fake_upstream.queue(Behavior(), Behavior(mode="status", status=400))
+    headers = {"authorization": f"Bearer {MASTER}"}
+    stream = {"model": "m", "stream": True, "messages": [{"role": "user", "content": SECRET_PROMPT}]}
+    plain = {"model": "m", "messages": [{"role": "user", "content": SECRET_PROMPT}]}
+    ok, failed = run_gateway(
+        monkeypatch,
+        receiver,
+        fake_upstream,
+        [
+            {"url": "/v1/chat/completions", "json": stream, "headers": headers},
+            {"url": "/v1/chat/completions", "json": plain, "headers": headers},
+        ],
+    )
+    assert ok.status_code == 200 and failed.status_code == 400
+    spans = receiver.spans()
+    roots = [s for s in spans if s.name == "chat m"]
+    assert len(roots) == 2 and roots[0].trace_id != roots[1].trace_id  # no traceparent: a new trace each
+    by_request = {attributes(r)["unigate.request_id"]: r for r in roots}
+    streamed, errored = by_request[ok.headers["x-request-id"]], by_request[failed.headers["x-request-id"]]
+    assert "unigate.stream" in {s.name for s in spans if s.parent_span_id == streamed.span_id}
+    assert attributes(streamed)["unigate.stream"] is True
+    assert errored.status.code == errored.status.STATUS_CODE_ERROR
+    assert attributes(errored)["error.type"] == failed.json()["error"]["code"]
+    (failed_attempt,) = [s for s in spans if s.parent_span_id == errored.span_id and s.name == "unigate.attempt up"]
+    assert attributes(failed_attempt)["http.response.status_code"] == 400
+    assert b"hunter2" not in b"".join(receiver.bodies)
+
+
+def test_tracing_is_off_unless_the_variables_ask(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SDK_DISABLED"):
+        monkeypatch.delenv(name, raising=False)
+    assert tracing_from_env() is None
+    assert tracing_from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318", "OTEL_SDK_DISABLED": "true"}) is None
+    assert tracing_from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318", "OTEL_TRACES_EXPORTER": "none"}) is None
+    tracing = tracing_from_env({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:9/v1/traces"})
+    assert tracing is not None
+    tracing.shutdown()
