@@ -241,3 +241,39 @@ async def test_the_cli_lists_shows_and_tails(gateways: list[ThreadedServer]) -> 
     assert later_id in tailed and request_id not in tailed
     with contextlib.suppress(Exception):
         tailing.cancel()
+
+
+async def test_with_the_log_off_nothing_is_written_and_the_api_says_so(
+    redis_url: str, tmp_path: Path, fake_upstream: FakeUpstream
+) -> None:
+    from gateway.server import build_app
+    from gateway.settings import Settings
+
+    routing = tmp_path / "unigate.yaml"
+    routing.write_text(
+        f"models:\n  - id: m\n    deployments:\n      - {{type: openai, base_url: '{fake_upstream.base_url}'}}\n"
+    )
+    settings = Settings(
+        _env_file=None,  # type: ignore[call-arg]
+        config=routing,
+        master_key=MASTER,  # type: ignore[arg-type]
+        redis_url=redis_url,
+        data_dir=tmp_path / "data",
+        engine={"enabled": False},  # type: ignore[arg-type]
+        health_probe_interval_s=0,
+        request_log={"enabled": False},  # type: ignore[arg-type]
+    )
+    server = ThreadedServer(build_app(settings)).start()
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            sent = await client.post(f"{server.url}/v1/chat/completions", json=chat(), headers=ADMIN)
+            assert sent.status_code == 200
+            off = await client.get(f"{server.url}/admin/requests", headers=ADMIN)
+            assert off.status_code == 503 and off.json()["error"]["code"] == "service_unavailable"
+    finally:
+        server.stop()
+    import redis as redis_sync
+
+    if "cluster" not in redis_url and "sentinel" not in redis_url:
+        with redis_sync.Redis.from_url(redis_url) as check:
+            assert check.exists("ug:{reqlog}:log") == 0
