@@ -267,6 +267,7 @@ class AccountingMachine(RuleBasedStateMachine):
         )
         self.run(self.access.start())
         self.models: list[KeyModel] = []
+        self.first_team_model: KeyModel | None = None
 
     def run(self, coroutine: Any) -> Any:
         return self.loop.run_until_complete(coroutine)
@@ -284,6 +285,36 @@ class AccountingMachine(RuleBasedStateMachine):
     def first_key(self) -> KeyModel:
         return self._create({})
 
+    @initialize(target=keys)
+    def first_key_in_a_team(self) -> KeyModel:
+        """A key in the first team (made here when this runs before `first_team`), so that every run has one."""
+        if self.first_team_model is None:
+            self.first_team_model = self.create_team(
+                rpm=None, tpm=None, max_concurrent=None, token_budget=None, budget_usd=None, budget_period="total"
+            )
+        return self._create({}, self.first_team_model)
+
+    @initialize(
+        target=teams,
+        rpm=st.none() | st.integers(1, 6),
+        tpm=st.none() | st.integers(100, 400),
+        max_concurrent=concurrency,
+        budget_usd=st.none() | st.just(Decimal("0.0001")),
+    )
+    def first_team(self, **fields: Any) -> KeyModel:
+        """A team from the start (keys join it at creation or by moving), so that most runs have keys in teams."""
+        if self.first_team_model is not None:  # made by `first_key_in_a_team`: set the drawn limits on it
+            team = self.first_team_model
+            assert team.team_id is not None
+            budget_usd = fields.pop("budget_usd")
+            fields["budget_micros"] = None if budget_usd is None else int(budget_usd * 1_000_000)
+            self.run(self.team_store.update(team.team_id, fields))
+            for name, value in fields.items():
+                setattr(team, name, value)
+            return team
+        self.first_team_model = self.create_team(**fields, token_budget=None, budget_period="total")
+        return self.first_team_model
+
     @rule(
         target=keys,
         rpm=limit,
@@ -292,16 +323,18 @@ class AccountingMachine(RuleBasedStateMachine):
         token_budget=token_limit,
         budget_usd=usd_budget,
         budget_period=periods,
+        team=st.none() | teams,
     )
-    def create_key(self, **fields: Any) -> KeyModel:
-        return self._create(fields)
+    def create_key(self, team: KeyModel | None, **fields: Any) -> KeyModel:
+        return self._create(fields, team)
 
-    def _create(self, fields: dict[str, Any]) -> KeyModel:
+    def _create(self, fields: dict[str, Any], team: KeyModel | None = None) -> KeyModel:
         record_fields = {name: value for name, value in fields.items() if name != "budget_usd"}
         budget_usd = fields.get("budget_usd")
         budget_micros = None if budget_usd is None else int(budget_usd * 1_000_000)
-        record, secret = self.run(self.store.create({**record_fields, "budget_micros": budget_micros}))
-        key = KeyModel(id=record.id, secret=secret, budget_micros=budget_micros, **record_fields)
+        team_id = team.team_id if team is not None else None
+        record, secret = self.run(self.store.create({**record_fields, "budget_micros": budget_micros}, team_id=team_id))
+        key = KeyModel(id=record.id, secret=secret, budget_micros=budget_micros, team=team, **record_fields)
         self.models.append(key)
         return key
 
