@@ -213,3 +213,17 @@ async def test_one_round_trip_with_or_without_a_team(make_access: Any, teams: Te
         writes.clear()
         await access.admit(secret, model="m", estimated_tokens=1)
         assert len(writes) == 1 and writes[0].count(b"EVALSHA") == num_scripts
+
+
+async def test_the_pipelined_pair_registers_its_script_again_after_a_flush(
+    make_access: Any, teams: TeamStore, store: KeyStore, redis: Redis
+) -> None:
+    team = await teams.create(name="t", rpm=5)
+    _, secret = await store.create({}, team_id=team.id)
+    access: RedisAccess = await make_access()
+    await access.admit(secret, model="m", estimated_tokens=1)
+    await redis.script_flush()  # as after a Redis restart that did not keep its scripts
+    admission = await access.admit(secret, model="m", estimated_tokens=1)
+    assert admission.team_id == team.id
+    assert await _num_logged(redis, redis_names.team_state_id(team.id)) == 2
+    assert access.num_script_errors == {} and access.num_storage_errors == 0
