@@ -22,7 +22,13 @@ wake-up list) build it from a `*_prefix` below, which carries the same tag.
                                              the team's own state, named as a key's under its tag: every
                                              `key_*(state_id)` below takes `team_state_id(<id>)` = "team:<id>"
     ug:{up:<deployment>}:leases      zset    upstream in-flight leases: member lease id, score expiry (ms)
-    ug:{up:<deployment>}:queue       list    FIFO of waiters "<lease id>|<deadline ms>"
+    ug:{up:<deployment>}:queue       list    FIFO of waiters "<lease id>|<deadline ms>" of gateways before the fair
+                                             queue (still served first during a rolling upgrade; no longer added to)
+    ug:{up:<deployment>}:tenants:<class>
+                                     zset    tenants with waiters in priority class high|normal|low, scored by their
+                                             virtual counter (hand-offs / weight); a tenant leaves when its line empties
+    ug:{up:<deployment>}:queue:<class>:<tenant>
+                                     list    a tenant's waiters in that class "<lease id>|<deadline ms>|<weight>", FIFO
     ug:{up:<deployment>}:max         string  the deployment's max_in_flight, for hand-off on release
     ug:{up:<deployment>}:wake:<id>   list    a waiter's wake-up list (BLPOP)
     ug:{health:<n>}                  string  /health/ready's write probe (expires after a minute); in a cluster
@@ -78,9 +84,11 @@ __all__ = [
     "team_record",
     "team_state_id",
     "upstream_leases",
+    "upstream_line",
     "upstream_max",
     "upstream_prefix",
     "upstream_queue",
+    "upstream_tenants",
     "upstream_wake",
 ]
 
@@ -199,6 +207,17 @@ def upstream_queue(deployment: str) -> str:
 
 def upstream_max(deployment: str) -> str:
     return upstream_prefix(deployment) + "max"
+
+
+def upstream_tenants(deployment: str, priority: str) -> str:
+    """The tenants with waiters in one priority class, scored by virtual counter (the scripts derive nothing here:
+    all three are declared keys)."""
+    return upstream_prefix(deployment) + f"tenants:{priority}"
+
+
+def upstream_line(deployment: str, priority: str, tenant: str) -> str:
+    """One tenant's waiters in one priority class (the hand-off derives the same name from `upstream_prefix`)."""
+    return upstream_prefix(deployment) + f"queue:{priority}:{tenant}"
 
 
 def upstream_wake(deployment: str, lease_id: str) -> str:

@@ -523,11 +523,16 @@ async def settle_requests(
     return settled_flags(await scripts.settle(redis, keys, args), scripts)
 
 
-def _upstream_keys(deployment: str) -> tuple[str, str, str]:
+_UPSTREAM_CLASSES = ("high", "normal", "low")  # the priority classes of upstream waiters, served in this order
+
+
+def _upstream_keys(deployment: str, priority: str, tenant: str) -> tuple[str, ...]:
     return (
         redis_names.upstream_leases(deployment),
         redis_names.upstream_queue(deployment),
         redis_names.upstream_max(deployment),
+        *(redis_names.upstream_tenants(deployment, name) for name in _UPSTREAM_CLASSES),
+        redis_names.upstream_line(deployment, priority, tenant),
     )
 
 
@@ -540,11 +545,27 @@ async def acquire_upstream(
     lease_ttl_ms: int,
     wait_timeout_ms: int,
     queue_entry: str,
+    handoff_ttl_ms: int,
+    tenant: str = "",
+    weight: float = 1.0,
+    priority: str = "normal",
     scripts: ScriptSet = DEFAULT_SCRIPTS,
 ) -> tuple[bool, str]:
-    """(is_held, queue entry to pass back on the next call or on giving up)."""
-    args = (lease_id, max_in_flight, lease_ttl_ms, wait_timeout_ms, queue_entry)
-    reply = await scripts.acquire(redis, _upstream_keys(deployment), args)
+    """(is_held, queue entry to pass back on the next call or on giving up). Waiters are served by `priority`
+    class (high, normal, low), then by the tenant's hand-offs / `weight`, FIFO within a tenant."""
+    args = (
+        lease_id,
+        max_in_flight,
+        lease_ttl_ms,
+        wait_timeout_ms,
+        queue_entry,
+        redis_names.upstream_prefix(deployment),
+        priority,
+        tenant,
+        repr(float(weight)),
+        handoff_ttl_ms,
+    )
+    reply = await scripts.acquire(redis, _upstream_keys(deployment, priority, tenant), args)
     try:
         return bool(int(reply[0])), as_text(reply[1])
     except (ValueError, TypeError, IndexError) as exc:
@@ -558,11 +579,14 @@ async def release_upstream(
     lease_id: str,
     queue_entry: str,
     handoff_ttl_ms: int,
+    tenant: str = "",
+    priority: str = "normal",
     scripts: ScriptSet = DEFAULT_SCRIPTS,
 ) -> int:
-    """Free the lease (and/or leave the queue); returns how many waiters were handed a slot."""
-    args = (lease_id, queue_entry, redis_names.upstream_prefix(deployment), handoff_ttl_ms)
-    return int(await scripts.release(redis, _upstream_keys(deployment), args))
+    """Free the lease (and/or leave the `tenant`'s line in `priority`); returns how many waiters were handed a
+    slot."""
+    args = (lease_id, queue_entry, redis_names.upstream_prefix(deployment), handoff_ttl_ms, priority, tenant)
+    return int(await scripts.release(redis, _upstream_keys(deployment, priority, tenant), args))
 
 
 async def update_key(

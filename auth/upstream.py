@@ -1,5 +1,12 @@
 """`RedisUpstreamLimiter`: the `UpstreamLimiter` of a gateway with Redis. Per deployment, at most `max_in_flight`
-requests are in flight across every gateway instance; the rest wait in a cluster-wide FIFO.
+requests are in flight across every gateway instance; the rest wait, cluster-wide, in fair order across tenants.
+
+Fair order (auth/lua/acquire_upstream.lua, release_upstream.lua): each tenant (a team, else a key) waits in its
+own FIFO line; a freed slot goes to the `priority` class high, then normal, then low, and within a class to the
+tenant with the lowest virtual counter, which grows by 1 / `weight` with each slot the tenant is handed. A tenant
+that starts waiting joins at the lowest counter of those already waiting, so time without waiters banks no credit,
+and leaves (its counter with it) when its line empties: memory grows with the tenants waiting, not with all there
+ever were. Waiters of a gateway before this order (one FIFO list) are served first and then never added to again.
 
 `RedisAccess` builds one (`RedisAccess.upstream_limiter`) on its own Redis client, command pipe and script set,
 and owns it (`RedisAccess.aclose()` closes it). The limiter reports its Redis failures through `StorageFailures`
@@ -12,9 +19,11 @@ as a read-only replica or with a redirection not followed to its end → 503 `li
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Coroutine, Iterable
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol, get_args
 
 from redis.exceptions import MaxConnectionsError
 
@@ -32,6 +41,28 @@ __all__ = ["RedisUpstreamLimiter", "StorageFailures", "cancel_until_done"]
 _POLL_S = 1.0  # a waiter re-checks this often even if no wake-up arrives (a lost hand-off)
 _MAX_WAITERS = 1024  # blocking connections per instance; waiters beyond these poll every _POLL_S
 _HANDOFF_TTL_MS = 5_000  # a slot handed to a waiter that never confirms it frees itself after this
+
+
+_PRIORITIES: tuple[Priority, ...] = get_args(Priority)
+_MIN_WEIGHT, _MAX_WEIGHT = 1e-3, 1e3  # a weight outside these (or not a number) is clamped; 0 would divide by 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Place:
+    """Where a waiter waits: its tenant's line in its priority class, and the weight its hand-offs count with."""
+
+    tenant: str
+    weight: float
+    priority: Priority
+
+
+_NO_PLACE = _Place("", 1.0, "normal")  # a release that leaves no line
+
+
+def _valid_weight(weight: float) -> float:
+    if not math.isfinite(weight):
+        return 1.0
+    return min(max(weight, _MIN_WEIGHT), _MAX_WEIGHT)
 
 
 class StorageFailures(Protocol):
@@ -85,10 +116,12 @@ class RedisUpstreamLimiter:
         weight: float = 1.0,
         priority: Priority = "normal",
     ) -> UpstreamLease:
-        """Wait in a cluster-wide FIFO for one of `max_in_flight` slots: woken by the releaser through a Redis list
-        (BLPOP), re-checking every `_POLL_S` in case a wake-up was lost. Redis down → no cap (logged, counted)."""
+        """Wait in `tenant`'s line for one of `max_in_flight` slots, served in fair order (the module docstring):
+        woken by the releaser through a Redis list (BLPOP), re-checking every `_POLL_S` in case a wake-up was lost.
+        Redis down → no cap (logged, counted)."""
         if max_in_flight <= 0:
             return UpstreamLease(deployment=deployment, lease_id=None)
+        place = _Place(tenant, _valid_weight(weight), priority if priority in _PRIORITIES else "normal")
         lease_id = new_request_id()
         entry = ""
         loop = asyncio.get_running_loop()
@@ -105,6 +138,10 @@ class RedisUpstreamLimiter:
                     lease_ttl_ms=self._lease_ttl_ms,
                     wait_timeout_ms=int(timeout_s * 1000) + 1000,
                     queue_entry=entry,
+                    handoff_ttl_ms=_HANDOFF_TTL_MS,
+                    tenant=place.tenant,
+                    weight=place.weight,
+                    priority=place.priority,
                     scripts=self._scripts,
                 )
                 if is_held:
@@ -115,12 +152,12 @@ class RedisUpstreamLimiter:
                 await self._wait_for_wake(wake_key, max(min(remaining_s, _POLL_S), 0.01))
         except ScriptError as error:
             self._failures.note_script_error(error, lease_id)
-            self._in_background(self._withdraw(deployment, lease_id, entry))
+            self._in_background(self._withdraw(deployment, lease_id, entry, place))
             raise
         except StorageError as exc:
             await self._failures.note_failure("acquire_upstream", exc)
             if not exc.is_outage:  # a redirection or a read-only replica answered: no cap is no answer
-                self._in_background(self._withdraw(deployment, lease_id, entry))
+                self._in_background(self._withdraw(deployment, lease_id, entry, place))
                 raise UnavailableError(
                     "The upstream's in-flight cap cannot be checked right now (the gateway's Redis is not writable "
                     "here). Retry in a few seconds.",
@@ -130,9 +167,9 @@ class RedisUpstreamLimiter:
             self._failures.note_bypass()
             return UpstreamLease(deployment=deployment, lease_id=None)
         except asyncio.CancelledError:
-            self._in_background(self._withdraw(deployment, lease_id, entry))
+            self._in_background(self._withdraw(deployment, lease_id, entry, place))
             raise
-        await self._withdraw(deployment, lease_id, entry)
+        await self._withdraw(deployment, lease_id, entry, place)
         raise UnavailableError(
             f"The upstream for this model is at capacity (max_in_flight={max_in_flight}) and no slot freed up "
             f"within {timeout_s:g} s. Retry shortly.",
@@ -142,7 +179,7 @@ class RedisUpstreamLimiter:
 
     async def release_upstream(self, lease: UpstreamLease) -> None:
         if lease.lease_id is not None:
-            await self._withdraw(lease.deployment, lease.lease_id, "")
+            await self._withdraw(lease.deployment, lease.lease_id, "", _NO_PLACE)
 
     async def disconnect(self) -> None:
         """Drop the idle blocking connections (after a Redis failure each would fail once more)."""
@@ -162,8 +199,8 @@ class RedisUpstreamLimiter:
                 raise
             await asyncio.sleep(timeout_s)  # more waiters than blocking connections: poll instead
 
-    async def _withdraw(self, deployment: str, lease_id: str, entry: str) -> None:
-        """Leave the queue; a slot handed over in the meantime passes on to the next waiter."""
+    async def _withdraw(self, deployment: str, lease_id: str, entry: str, place: _Place) -> None:
+        """Leave the line (free the slot); a slot handed over in the meantime passes on to the next waiter."""
         try:
             await scripts.release_upstream(
                 self._pipe,
@@ -171,6 +208,8 @@ class RedisUpstreamLimiter:
                 lease_id=lease_id,
                 queue_entry=entry,
                 handoff_ttl_ms=_HANDOFF_TTL_MS,
+                tenant=place.tenant,
+                priority=place.priority,
                 scripts=self._scripts,
             )
         except ScriptError as error:

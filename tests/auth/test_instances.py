@@ -64,7 +64,7 @@ async def test_upstream_cap_is_shared_and_waiters_are_served_in_order(make_acces
     await asyncio.sleep(0.1)
     second = asyncio.create_task(wait(one, "second"))
     await asyncio.sleep(0.1)
-    assert served == [] and await redis.llen(redis_names.upstream_queue("dep")) == 2
+    assert served == [] and await redis.llen(redis_names.upstream_line("dep", "normal", "")) == 2
 
     started = time.monotonic()
     await one.upstream_limiter.release_upstream(held[0])
@@ -83,7 +83,7 @@ async def test_at_capacity_times_out_with_503_and_leaves_the_queue(make_access: 
     with pytest.raises(UnavailableError) as caught:
         await access.upstream_limiter.acquire_upstream("dep", max_in_flight=1, timeout_s=0.3)
     assert caught.value.code == "upstream_at_capacity" and caught.value.headers["retry-after"] == "1"
-    assert await redis.llen(redis_names.upstream_queue("dep")) == 0
+    assert await redis.llen(redis_names.upstream_line("dep", "normal", "")) == 0
 
 
 async def test_cancelled_waiter_passes_its_turn_on(make_access: Any, redis: Redis) -> None:
@@ -97,7 +97,7 @@ async def test_cancelled_waiter_passes_its_turn_on(make_access: Any, redis: Redi
     await asyncio.sleep(0.1)
     await access.upstream_limiter.release_upstream(holder)
     lease = await asyncio.wait_for(patient, 2)
-    assert lease.lease_id and await redis.llen(redis_names.upstream_queue("dep")) == 0
+    assert lease.lease_id and await redis.llen(redis_names.upstream_line("dep", "normal", "")) == 0
 
 
 async def test_upstream_leases_of_a_crashed_instance_expire(make_access: Any) -> None:
