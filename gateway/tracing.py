@@ -61,51 +61,45 @@ class Tracing:
     """One tracer provider per app (never the global one: several apps may live in one process)."""
 
     def __init__(self, provider: TracerProvider) -> None:
-        from opentelemetry.trace import SpanKind
+        from opentelemetry.trace import SpanKind, set_span_in_context
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self._provider = provider
         self._tracer: Tracer = provider.get_tracer("unigate")
         self._propagator = TraceContextTextMapPropagator()
+        self._in_context = set_span_in_context
         self.server_kind: SpanKind = SpanKind.SERVER
         self.client_kind: SpanKind = SpanKind.CLIENT
+        self.internal_kind: SpanKind = SpanKind.INTERNAL
 
-    def start_request(self, headers: Iterable[tuple[bytes, bytes]], name: str, start_ns: int) -> Span:
-        """The request's root span, continuing the client's `traceparent` when it sent a valid one."""
+    def start_request(self, headers: Iterable[tuple[bytes, bytes]], name: str, start_ns: int) -> Span | None:
+        """The request's root span, continuing the client's `traceparent` when it sent a valid one; None when the
+        sampler leaves this trace out (then no child span is made either: an unsampled request costs ~nothing)."""
         carrier = {}
         for key, value in headers:
             if key in (b"traceparent", b"tracestate"):
                 carrier[key.decode("latin-1")] = value.decode("latin-1")
         context = self._propagator.extract(carrier) if carrier else None
-        return self._tracer.start_span(name, context=context, kind=self.server_kind, start_time=start_ns)
+        span = self._tracer.start_span(name, context=context, kind=self.server_kind, start_time=start_ns)
+        return span if span.is_recording() else None
 
     def start_child(
         self, parent: Span, name: str, *, start_ns: int, kind: SpanKind | None = None, attributes: Any = None
     ) -> Span:
-        from opentelemetry.trace import set_span_in_context
-
         return self._tracer.start_span(
             name,
-            context=set_span_in_context(parent),
-            kind=kind if kind is not None else _internal(),
+            context=self._in_context(parent),
+            kind=kind if kind is not None else self.internal_kind,
             start_time=start_ns,
             attributes=attributes,
         )
 
     def headers_for(self, span: Span) -> dict[str, str]:
         """`traceparent` (and `tracestate`) naming `span` as the parent, for a call to an upstream."""
-        from opentelemetry.trace import set_span_in_context
-
         carrier: dict[str, str] = {}
-        self._propagator.inject(carrier, context=set_span_in_context(span))
+        self._propagator.inject(carrier, context=self._in_context(span))
         return carrier
 
     def shutdown(self) -> None:
         """Export what is buffered and stop the exporter's thread."""
         self._provider.shutdown()
-
-
-def _internal() -> SpanKind:
-    from opentelemetry.trace import SpanKind
-
-    return SpanKind.INTERNAL

@@ -194,3 +194,19 @@ def test_tracing_is_off_unless_the_variables_ask(monkeypatch: pytest.MonkeyPatch
     tracing = tracing_from_env({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:9/v1/traces"})
     assert tracing is not None
     tracing.shutdown()
+
+
+def test_an_unsampled_request_exports_nothing(
+    monkeypatch: pytest.MonkeyPatch, receiver: Receiver, fake_upstream: FakeUpstream
+) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    (response,) = run_gateway(
+        monkeypatch,
+        receiver,
+        fake_upstream,
+        [{"url": "/v1/chat/completions", "json": body, "headers": {"authorization": f"Bearer {MASTER}"}}],
+    )
+    assert response.status_code == 200
+    assert receiver.spans() == []
+    assert "traceparent" not in fake_upstream.requests[-1].headers

@@ -1,0 +1,183 @@
+"""What the request log and tracing cost: the same closed-loop load through four gateways that differ only in them.
+
+    .venv/bin/python benchmarks/observability_cost.py [--seconds 4] [--rounds 3] [--concurrency 32]
+
+Processes: the fast fake upstream, a local OTLP/HTTP receiver (accepts `POST /v1/traces`, counts the bytes), and
+four gateways (one uvicorn worker each, each with its own embedded Redis):
+
+    baseline       UNIGATE_REQUEST_LOG__ENABLED=false, no OTEL_* variables
+    request log    the default: one record per request, written in the background
+    log + trace    the request log, and OpenTelemetry at 100% sampling to the receiver
+    log + 1%       the request log, and OpenTelemetry with `traceidratio` 0.01
+
+Every round loads each gateway in turn (non-streaming chat, `c` clients, master key), in a rotated order, so a
+host whose speed drifts (other work, thermal) affects all four alike; the table gives the median req/s and gateway
+CPU per request over the rounds, and each as a ratio to the baseline of the same round. The issue's targets at
+c=32: request log ≥ 0.95 of the baseline's req/s, tracing at 100% ≥ 0.85, at 1% ≥ 0.97.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import uvloop
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gateway_overhead import (  # a sibling script, not a package
+    MASTER_KEY,
+    ROOT,
+    Result,
+    free_port,
+    load,
+    wait_for_port,
+)
+
+CONFIGS: dict[str, dict[str, str]] = {
+    "baseline": {"UNIGATE_REQUEST_LOG__ENABLED": "false"},
+    "request log": {},
+    "log + trace": {"OTEL_TRACES_SAMPLER": "always_on"},
+    "log + 1%": {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.01"},
+}
+
+
+def start_gateway(
+    tmp: Path, name: str, upstream_port: int, extra: dict[str, str]
+) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    directory = tmp / name.replace(" ", "_").replace("%", "pct").replace("+", "")
+    directory.mkdir()
+    routing = directory / "unigate.yaml"
+    routing.write_text(
+        "models:\n  - id: bench\n    deployments:\n"
+        f"      - {{type: openai, base_url: 'http://127.0.0.1:{upstream_port}/v1', api_key: sk-up,"
+        " max_connections: 256}\n"
+    )
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+        "UNIGATE_CONFIG": str(routing),
+        "UNIGATE_MASTER_KEY": MASTER_KEY,
+        "UNIGATE_PORT": str(port),
+        "UNIGATE_ENGINE__ENABLED": "false",
+        "UNIGATE_DATA_DIR": str(directory / "data"),
+        "UNIGATE_LOG_LEVEL": "warning",
+        **extra,
+    }
+    code = "from gateway.server import run; from gateway.settings import Settings; run(Settings(_env_file=None))"
+    process = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT)
+    return process, f"http://127.0.0.1:{port}/v1/chat/completions"
+
+
+class Receiver:
+    """An OTLP/HTTP traces endpoint in a thread: accepts `POST /v1/traces`, counts exports and bytes."""
+
+    def __init__(self) -> None:
+        self.num_exports = 0
+        self.num_bytes = 0
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", "0")))
+                receiver.num_exports += 1
+                receiver.num_bytes += len(body)
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = int(self.server.server_address[1])
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+async def measure(
+    gateways: dict[str, tuple[subprocess.Popen[bytes], str]], *, seconds: float, rounds: int, concurrency: int
+) -> dict[str, list[Result]]:
+    results: dict[str, list[Result]] = {name: [] for name in gateways}
+    names = list(gateways)
+    for _, url in gateways.values():  # warm each one up (connections, caches, the first batch)
+        await load(url, concurrency=concurrency, seconds=1.0, stream=False, api_key=MASTER_KEY)
+    for round_index in range(rounds):
+        order = names[round_index % len(names) :] + names[: round_index % len(names)]
+        for name in order:
+            process, url = gateways[name]
+            results[name].append(
+                await load(
+                    url,
+                    concurrency=concurrency,
+                    seconds=seconds,
+                    stream=False,
+                    api_key=MASTER_KEY,
+                    server_pid=process.pid,
+                )
+            )
+    return results
+
+
+def print_table(results: dict[str, list[Result]], concurrency: int, receiver: Receiver) -> None:
+    base = results["baseline"]
+    print(f"non-streaming chat, c={concurrency}, {len(base)} rounds (median; ratios per round, then median)")
+    print(f"{'gateway':<12} {'req/s':>8} {'ratio':>6} {'cpu us/req':>11} {'cpu ratio':>9} {'errors':>6}")
+    for name, runs in results.items():
+        rps = statistics.median(r.rps for r in runs)
+        ratio = statistics.median(r.rps / b.rps for r, b in zip(runs, base, strict=True))
+        cpu = statistics.median(r.cpu_us_per_request for r in runs)
+        cpu_ratio = statistics.median(
+            r.cpu_us_per_request / b.cpu_us_per_request for r, b in zip(runs, base, strict=True)
+        )
+        errors = sum(r.num_errors for r in runs)
+        print(f"{name:<12} {rps:>8.0f} {ratio:>6.2f} {cpu:>11.0f} {cpu_ratio:>9.2f} {errors:>6}")
+    print(f"OTLP receiver: {receiver.num_exports} exports, {receiver.num_bytes / 1e6:.1f} MB")
+
+
+def run(args: argparse.Namespace, tmp: Path) -> None:
+    receiver = Receiver()
+    upstream_port = free_port()
+    upstream = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests/fakes/upstream.py"), "--port", str(upstream_port), "--uvloop"],
+        stdout=subprocess.DEVNULL,
+    )
+    gateways: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+    try:
+        for name, extra in CONFIGS.items():
+            if name.startswith("log +"):
+                extra = {**extra, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}"}
+            gateways[name] = start_gateway(tmp, name, upstream_port, extra)
+        wait_for_port(upstream_port)
+        for _, url in gateways.values():
+            wait_for_port(int(url.split(":")[2].split("/")[0]))
+        results = uvloop.run(measure(gateways, seconds=args.seconds, rounds=args.rounds, concurrency=args.concurrency))
+    finally:
+        processes = [upstream, *(p for p, _ in gateways.values())]
+        for process in processes:
+            process.send_signal(signal.SIGINT)
+        for process in processes:
+            process.wait(15)
+        receiver.server.shutdown()
+    print_table(results, args.concurrency, receiver)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=32)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        run(args, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()
