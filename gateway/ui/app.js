@@ -49,6 +49,36 @@
     return n.toFixed(i ? 1 : 0) + ' ' + units[i];
   };
 
+  /** The page's parameters from the hash: `#/requests?key=key_…&status=429` → URLSearchParams. */
+  UG.hashParams = function () {
+    const hash = location.hash;
+    const at = hash.indexOf('?');
+    return new URLSearchParams(at < 0 ? '' : hash.slice(at + 1));
+  };
+
+  /** Rewrite the current page's hash parameters without routing again (no hashchange: the page stays as it is). */
+  UG.replaceHashParams = function (params) {
+    const query = params.toString();
+    history.replaceState(null, '', '#/' + UG.current + (query ? '?' + query : ''));
+  };
+
+  /** One CSV cell, quoted as RFC 4180 does; a leading =, +, - or @ is prefixed so a spreadsheet never runs it. */
+  UG.csvCell = function (value) {
+    const text = value === null || value === undefined ? '' : String(value);
+    const safe = /^[=+\-@]/.test(text) ? "'" + text : text;
+    return /[",\n\r]/.test(safe) ? '"' + safe.replace(/"/g, '""') + '"' : safe;
+  };
+
+  /** Save `text` as a file (made in the browser: nothing is sent anywhere). */
+  UG.download = function (name, text, type) {
+    const url = URL.createObjectURL(new Blob([text], { type: type || 'text/csv' }));
+    const link = UG.h('a', { href: url, download: name });
+    document.body.appendChild(link);
+    link.click();
+    link.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 1000);
+  };
+
   UG.pct = function (x) {
     return typeof x === 'number' && isFinite(x) ? (100 * x).toFixed(1) + ' %' : '—';
   };

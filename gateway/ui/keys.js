@@ -227,8 +227,12 @@
       }
 
       function actions(key) {
-        if (key.revoked) return h('span', { class: 'muted' }, 'revoked ' + (key.revoked_at || ''));
-        return h('span', {},
+        const requests = h('a', { href: '#/requests?key=' + encodeURIComponent(key.id), class: 'link',
+          'data-action': 'requests' }, 'Requests');
+        if (key.revoked) {
+          return h('span', {}, requests, h('span', { class: 'muted' }, ' revoked ' + (key.revoked_at || '')));
+        }
+        return h('span', {}, requests,
           h('button', { type: 'button', class: 'link', onclick: () => edit(key) }, 'Edit'),
           h('button', { type: 'button', class: 'link', onclick: () => rotate(key) }, 'Rotate'),
           h('button', { type: 'button', class: 'link', 'data-action': 'revoke', onclick: () => revoke(key) }, 'Revoke'));

@@ -1,6 +1,7 @@
 /* Models: the routing table with each deployment's host, state (with a failed load's reason, and the models of a
  * wildcard deployment that cool down on their own), cooldown, in-flight requests, and its recent latency and error
- * rate (differences between reads of GET /admin/models over the last minute; this instance's view). */
+ * rate (differences between reads of GET /admin/models over the last minute; this instance's view). Each model and
+ * deployment links to the Requests page filtered by it. */
 (function () {
   'use strict';
   const UG = window.UG;
@@ -65,6 +66,10 @@
         return cell;
       }
 
+      function requestsLink(filter, value) {
+        return '#/requests?' + filter + '=' + encodeURIComponent(value);
+      }
+
       function draw(models, before) {
         UG.clear(box);
         if (!models.length) box.appendChild(h('p', { class: 'muted' }, 'No models are routed.'));
@@ -72,7 +77,8 @@
           const rows = model.deployments.map((d) => {
             const r = recent(d, before);
             return h('tr', { 'data-deployment': d.name },
-              h('td', {}, d.name), h('td', {}, d.type), h('td', {}, d.host || (d.type === 'local' ? 'in-process' : '—')),
+              h('td', {}, h('a', { href: requestsLink('deployment', d.name), 'data-requests': 'deployment',
+                title: 'Requests this deployment answered' }, d.name)), h('td', {}, d.type), h('td', {}, d.host || (d.type === 'local' ? 'in-process' : '—')),
               stateCell(d),
               h('td', { class: 'num' }, d.num_in_flight + ' / ' + (d.max_in_flight === null ? '∞' : d.max_in_flight)),
               h('td', { class: 'num' }, r.latency === null ? '—' : (1000 * r.latency).toFixed(0) + ' ms'),
@@ -80,7 +86,9 @@
               h('td', { class: 'num hide-narrow' }, UG.fmt(d.weight)));
           });
           box.appendChild(h('div', { class: 'card', 'data-model': model.id },
-            h('h2', {}, model.id),
+            h('div', { class: 'row' }, h('h2', { class: 'grow' }, model.id),
+              h('a', { href: requestsLink('model', model.id), class: 'link', 'data-requests': 'model',
+                title: 'Requests that asked for ' + model.id + ' by this name' }, 'Requests')),
             h('p', { class: 'muted' }, 'Aliases: ' + (model.aliases.join(', ') || 'none') +
               (model.fallbacks.length ? ' · fallbacks: ' + model.fallbacks.join(' → ') : '')),
             h('div', { class: 'table-wrap' }, h('table', {},

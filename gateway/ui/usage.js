@@ -12,16 +12,9 @@
 
   function isoDay(ms) { return new Date(ms).toISOString().slice(0, 10); }
 
-  function csvCell(value) {
-    const text = value === null || value === undefined ? '' : String(value);
-    // Quote as RFC 4180 does; a leading =, +, - or @ is prefixed so a spreadsheet never runs it as a formula.
-    const safe = /^[=+\-@]/.test(text) ? "'" + text : text;
-    return /[",\n\r]/.test(safe) ? '"' + safe.replace(/"/g, '""') + '"' : safe;
-  }
-
   UG.usageCsv = function (rows) {
-    return [COLUMNS.join(',')].concat(rows.map((row) => COLUMNS.map((c) => csvCell(row[c])).join(','))).join('\r\n') +
-      '\r\n';
+    const lines = rows.map((row) => COLUMNS.map((c) => UG.csvCell(row[c])).join(','));
+    return [COLUMNS.join(',')].concat(lines).join('\r\n') + '\r\n';
   };
 
   function groupName(row, by) {
@@ -129,13 +122,7 @@
       }
 
       function download() {
-        const blob = new Blob([UG.usageCsv(rows)], { type: 'text/csv' });
-        const url = URL.createObjectURL(blob);
-        const link = h('a', { href: url, download: 'unigate-usage-' + from.value + '-' + to.value + '.csv' });
-        document.body.appendChild(link);
-        link.click();
-        link.remove();
-        setTimeout(() => URL.revokeObjectURL(url), 1000);
+        UG.download('unigate-usage-' + from.value + '-' + to.value + '.csv', UG.usageCsv(rows));
       }
 
       load();
