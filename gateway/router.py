@@ -9,6 +9,12 @@ tried again by the same request: that wait was already spent once, so only its o
 fallbacks are tried. A deployment that fails `max_fails` times in a row (or answers 429) cools down; after a 429 for
 the upstream's Retry-After bounded by `max_retry_after_s` (`cooldown_s` when it sent none, or nothing usable).
 
+A model that sets `routing:` (`round_robin`, `least_load`, `prefix_affinity`) picks among the same available
+deployments by that policy instead (gateway/routing_policies.py); `execute` then takes the request's body and
+session id, from which `prefix_affinity` makes its key (gateway/prefix_hash.py). Under `least_load` and
+`prefix_affinity` a deployment whose replica stopped answering its metrics is not available. Retries, fallbacks,
+cooldowns and at-capacity handling are the same under every policy.
+
 A 429 is retried even when no other deployment is left (a model with one deployment): the request that got it
 waits the upstream's Retry-After when that is at most `max_backoff_s` (the usual backoff when it sent none), then
 tries that deployment again; a longer Retry-After is the client's to wait, so the upstream's 429 goes back with it.
@@ -26,11 +32,12 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from backends.base import Backend
+from backends.base import Backend, Json
 from backends.retry_after import parse_retry_after
 from gateway.cooldowns import Cooldowns, ModelHealth
 from gateway.errors import BackendError, GatewayError, NotFoundError
 from gateway.routing_config import DeploymentConfig, ModelConfig, PricingConfig, RouterConfig, RoutingConfig
+from gateway.routing_policies import ReplicaLoad, is_reachable, pick_by_policy, request_key
 
 __all__ = ["Deployment", "ModelRoute", "Router", "Target"]
 
@@ -53,6 +60,7 @@ class Deployment:
     cooldown_until: float = 0.0
     is_rate_limited: bool = False  # the cooldown is a 429's (see `ModelHealth`)
     models: dict[str, ModelHealth] = field(default_factory=dict)  # wildcard routes: health per requested model
+    replica: ReplicaLoad = field(default_factory=ReplicaLoad)  # its `metrics_url`'s last report (least_load)
 
     def health_of(self, model: str | None) -> ModelHealth | None:
         return None if model is None else self.models.get(model)
@@ -66,10 +74,16 @@ class Deployment:
 class ModelRoute:
     config: ModelConfig
     deployments: list[Deployment] = field(default_factory=list)
+    num_picks: int = 0  # `routing: round_robin`'s position
 
     @property
     def id(self) -> str:
         return self.config.id
+
+    @property
+    def reads_replicas(self) -> bool:
+        """Whether its policy uses the replicas' own load (`metrics_url`): `least_load`, `prefix_affinity`."""
+        return self.config.routing in ("least_load", "prefix_affinity")
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,17 +186,21 @@ class Router:
         attempt: Callable[[Deployment, Target], Awaitable[T]],
         *,
         may_use: Callable[[str], bool] | None = None,
+        body: Json | None = None,
+        session_id: str | None = None,
     ) -> T:
         """Run `attempt` on deployments of `target` (then of its fallbacks that `may_use` allows: a key restricted
-        to some models is never served, nor charged, by another) until one succeeds."""
+        to some models is never served, nor charged, by another) until one succeeds. `body` and `session_id` (the
+        client's `x-session-id`) key `routing: prefix_affinity`; other policies ignore them."""
         last_error: GatewayError | None = None
         for current in self._chain(target, may_use):
+            key = request_key(current.route.config, body, session_id)
             tried: set[str] = set()
             spent: set[str] = set()  # deployments this request must not try again (see `_NOT_AGAIN`)
             rate_limited: tuple[Deployment, float] | None = None  # the last 429's deployment, and the wait it asked
             for attempt_number in range(1 + self.config.num_retries):
                 model = current.health_key
-                deployment = self.pick(current.route, exclude=tried, skip=spent, model=model)
+                deployment = self.pick(current.route, exclude=tried, skip=spent, model=model, key=key)
                 wait = self._backoff(attempt_number) if attempt_number > 0 else 0.0
                 is_after_429 = deployment is None and rate_limited is not None
                 if deployment is None and rate_limited is not None:
@@ -225,20 +243,26 @@ class Router:
         exclude: Iterable[str] = (),
         skip: Iterable[str] = (),
         model: str | None = None,
+        key: bytes | None = None,
     ) -> Deployment | None:
-        """Least in-flight per unit of weight among available deployments, preferring ones not in `exclude`
-        (already tried) and never one in `skip`; None when none is left. `model`: the requested model of a
-        wildcard route, whose own cooldown counts too."""
+        """Least in-flight per unit of weight among available deployments (or the route's `routing` policy's
+        choice), preferring ones not in `exclude` (already tried) and never one in `skip`; None when none is left.
+        `model`: the requested model of a wildcard route, whose own cooldown counts too. `key`: the request's
+        affinity key (`routing: prefix_affinity`)."""
         now = self._clock()
         skipped = set(skip)
         available = [
             d for d in route.deployments if self.cooldowns.is_available(d, model, now) and d.name not in skipped
         ]
+        if route.reads_replicas:
+            available = [d for d in available if is_reachable(d)]
         if not available:
             return None
         fresh = [d for d in available if d.name not in exclude] or available
         if len(fresh) == 1:
             return fresh[0]
+        if route.config.routing != "least_in_flight":
+            return pick_by_policy(route, fresh, key, now, self.config.metrics_stale_s)
         best = min(d.num_in_flight / d.config.weight for d in fresh)
         ties = [d for d in fresh if d.num_in_flight / d.config.weight == best]
         return random.choices(ties, weights=[d.config.weight for d in ties])[0]

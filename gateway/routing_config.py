@@ -18,6 +18,14 @@ models:
         context_length: 128000   # optional: the upstream model's context; enables clamp_max_tokens (estimated)
         clamp_max_tokens: true   # an output limit too big for the context is lowered, not refused (default:
                                  # true for `type: local` and for upstreams with context_length)
+        metrics_url: http://gpu-1:8000/metrics  # optional: the replica's Prometheus metrics (vLLM, SGLang, unigate
+                                 # engine serve), polled for `routing: least_load` / `prefix_affinity`
+    routing: least_in_flight     # least_in_flight (default) | round_robin | least_load | prefix_affinity
+    affinity:                    # optional, for `routing: prefix_affinity`; these are the defaults
+      block_chars: 256           # the request's leading text is hashed in blocks of this many characters
+      max_blocks: 64             # at most this many leading blocks make the key
+      load_factor: 1.25          # bounded load: no deployment takes more than this times the mean load
+      session_keys: true         # x-session-id, prompt_cache_key, user, metadata.user_id key the request when sent
     pricing:                     # optional: price per million tokens, charged to keys' spend (budget_usd)
       input_per_mtok: 0.15
       output_per_mtok: 0.60
@@ -38,6 +46,9 @@ router:                          # optional; these are the defaults
   cooldown_s: 30                 # also the cooldown after a 429 without a usable Retry-After
   max_retry_after_s: 300         # a 429's Retry-After (seconds or HTTP-date) is honoured up to this
   max_fails: 3
+  metrics_interval_s: 1.0        # how often replicas' `metrics_url` are polled
+  metrics_timeout_s: 0.5         # a poll not answered within this counts as failed
+  metrics_stale_s: 3.0           # older load figures are not used (the gateway's in-flight counts are)
 ```
 
 Any problem is raised as `RoutingConfigError` whose message names the file, the field and the fix.
@@ -66,18 +77,23 @@ from pydantic import (
 from gateway.settings import LocalModelSettings, Settings
 
 __all__ = [
+    "AffinityConfig",
     "DeploymentConfig",
     "ModelConfig",
     "PricingConfig",
     "RouterConfig",
     "RoutingConfig",
     "RoutingConfigError",
+    "RoutingPolicy",
     "default_routing",
     "load_routing",
     "parse_routing",
 ]
 
 _ENV_PREFIX = "env:"
+
+# How a model's deployments are picked (gateway/routing_policies.py); `least_in_flight` is the router's own default.
+RoutingPolicy = Literal["least_in_flight", "round_robin", "least_load", "prefix_affinity"]
 
 
 class RoutingConfigError(Exception):
@@ -140,6 +156,9 @@ class DeploymentConfig(LocalModelSettings):
     # the room left instead of refused; None = on for `type: local` and for upstreams with a context_length.
     context_length: int | None = Field(default=None, ge=1)
     clamp_max_tokens: bool | None = None
+    # The replica's Prometheus text (vLLM, SGLang, `unigate engine serve`): its own load, read every
+    # `router.metrics_interval_s` for models with `routing: least_load` or `prefix_affinity`.
+    metrics_url: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -168,6 +187,8 @@ class DeploymentConfig(LocalModelSettings):
             raise ValueError("a `type: local` deployment takes `model_path`, not `base_url`")
         if self.base_url:
             _check_base_url(self.base_url)
+        if self.metrics_url:
+            _check_metrics_url(self.metrics_url)
         if self.type == "local" and self.context_length is not None:
             raise ValueError(
                 "a `type: local` deployment knows its context length; set UNIGATE_ENGINE__MAX_MODEL_LEN instead"
@@ -209,6 +230,17 @@ class DeploymentConfig(LocalModelSettings):
         return self.model or self.id
 
 
+class AffinityConfig(BaseModel):
+    """`routing: prefix_affinity`: how a request's key is made and how far load may pull it off its replica."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block_chars: int = Field(default=256, ge=16, le=65536)
+    max_blocks: int = Field(default=64, ge=1, le=4096)
+    load_factor: float = Field(default=1.25, ge=1.0, le=100.0)  # consistent hashing with bounded loads' `c`
+    session_keys: bool = True
+
+
 class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -216,6 +248,8 @@ class ModelConfig(BaseModel):
     aliases: list[str] = Field(default_factory=list)
     deployments: list[DeploymentConfig] = Field(min_length=1)
     pricing: PricingConfig | None = None  # None: requests of this model cost 0 (and usage says they are unpriced)
+    routing: RoutingPolicy = "least_in_flight"
+    affinity: AffinityConfig = Field(default_factory=AffinityConfig)
 
     @field_validator("id")
     @classmethod
@@ -246,6 +280,9 @@ class RouterConfig(BaseModel):
     cooldown_s: float = Field(default=30.0, ge=0)  # how long a failing deployment is taken out
     max_retry_after_s: float = Field(default=300.0, ge=0)  # an upstream 429's Retry-After is honoured up to this
     max_fails: int = Field(default=3, ge=1)  # consecutive failures that trigger the cooldown
+    metrics_interval_s: float = Field(default=1.0, gt=0)  # replicas' `metrics_url` polled this often
+    metrics_timeout_s: float = Field(default=0.5, gt=0)  # a poll not answered in time has failed
+    metrics_stale_s: float = Field(default=3.0, gt=0)  # older load figures give way to the in-flight counts
 
 
 class RoutingConfig(BaseModel):
@@ -339,6 +376,14 @@ def _format_location(location: tuple[int | str, ...]) -> str:
         else:
             text += f".{part}" if text else part
     return text
+
+
+def _check_metrics_url(metrics_url: str) -> None:
+    parts = urlsplit(metrics_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("`metrics_url` must be an http(s) URL with a host, e.g. http://gpu-host-1:8000/metrics")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("`metrics_url` must not hold credentials (user:password@)")
 
 
 def _check_base_url(base_url: str) -> None:
