@@ -45,6 +45,7 @@ class CallContext:
     started_at: float  # when the request arrived (the metrics middleware's clock): time to first token counts from it
     receive: Receive  # the ASGI channel the disconnect watch reads (gateway/disconnect.py)
     request_state: dict[str, Any]  # the ASGI scope's state, which the request metrics and the access log read
+    session_id: str | None = None  # the client's `x-session-id` (routing: prefix_affinity keys requests by it)
 
     def label_model(self, model_id: str) -> None:
         """Name the resolved model in the request's state: the request metrics and the access log label it."""
@@ -78,6 +79,7 @@ async def call_context(request: Request) -> CallContext:
         started_at=request_state.get("started_at") or time.perf_counter(),
         receive=request.receive,
         request_state=request_state,
+        session_id=request.headers.get("x-session-id") or None,
     )
 
 

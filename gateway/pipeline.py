@@ -114,7 +114,13 @@ class Call:
         """The non-streaming response, validated/repaired, after retries and fallbacks."""
         try:
             with watch_disconnect(self._context.receive):
-                attempts = self._context.router.execute(self.target, self._send, may_use=self._ledger.may_use)
+                attempts = self._context.router.execute(
+                    self.target,
+                    self._send,
+                    may_use=self._ledger.may_use,
+                    body=self._body,
+                    session_id=self._context.session_id,
+                )
                 attempt, data = await attempts
         except BaseException:
             await self.aclose()
@@ -126,7 +132,13 @@ class Call:
 
     async def open_stream(self) -> None:
         # Waiting for the first chunk may take minutes: stop (and release everything) if the client goes away.
-        attempts = self._context.router.execute(self.target, self._open_stream, may_use=self._ledger.may_use)
+        attempts = self._context.router.execute(
+            self.target,
+            self._open_stream,
+            may_use=self._ledger.may_use,
+            body=self._body,
+            session_id=self._context.session_id,
+        )
         stream = await unless_disconnected(attempts)
         self._note_answer(stream.attempt, stream.first or {})
         self._account = StreamAccount(
