@@ -1,8 +1,9 @@
-"""The local engine shared by tenants, on the bundled model, through the AsyncEngine directly (the gateway path
-does not carry weights or priorities yet), fair share against first come, first served, in one run.
+"""The local engine shared by tenants, on the bundled model, through the AsyncEngine directly (the engine's own
+scheduling, without the gateway's HTTP in front), fair share against first come, first served, in one run.
 
-    python benchmarks/tenancy.py           # the issue's workload (several minutes on 2 cores)
-    python benchmarks/tenancy.py --quick   # a smoke run
+    python benchmarks/tenancy.py                                # the issue's workload (several minutes on 2 cores)
+    python benchmarks/tenancy.py --quick                        # a smoke run
+    python benchmarks/tenancy.py --parts alone --rounds 4       # one part (burst, alone, shares), more rounds
 
 Reported:
 - burst: tenant A opens N streams (64 tokens each) at once; after a delay B sends short streaming requests one
@@ -66,8 +67,9 @@ def throughput(engine: LLMEngine, num: int, tokens: int) -> float:
     return num * tokens / (time.perf_counter() - started)
 
 
-def served_ratio(engine: LLMEngine, weights: tuple[float, float], num_steps: int) -> float:
-    """Two tenants each far beyond the batch: A's served tokens over B's in `num_steps` steps after a warm-up."""
+def served_ratio(engine: LLMEngine, weights: tuple[float, float], num_steps: int) -> tuple[float, float]:
+    """Two tenants each far beyond the batch: A's served tokens over B's in `num_steps` steps after a warm-up, and
+    the window's seconds."""
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     # enough for both tenants to stay backlogged through the window (a drained tenant would skew the ratio to 1:1)
     for i in range(engine.scheduler.max_num_seqs * num_steps // 16):
@@ -76,45 +78,61 @@ def served_ratio(engine: LLMEngine, weights: tuple[float, float], num_steps: int
     for _ in range(num_steps // 4):
         engine.step()
     before = Counter(engine.scheduler.fair.served_tokens)
+    started = time.perf_counter()
     for _ in range(num_steps):
         engine.step()
+    elapsed = time.perf_counter() - started
     served = Counter(engine.scheduler.fair.served_tokens)
     served.subtract(before)
     for request_id in list(engine.requests):
         engine.abort_request(request_id)
-    return served["A"] / served["B"]
+    return served["A"] / served["B"], elapsed
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a smoke run (smaller burst, fewer steps)")
+    parser.add_argument(
+        "--parts", default="burst,alone,shares", help="which parts to run, comma-separated (burst, alone, shares)"
+    )
+    parser.add_argument("--rounds", type=int, help="alternating fair/FCFS rounds of the one-tenant part")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     num_a, num_b, delay_s, num_steps, rounds = (60, 4, 0.5, 40, 1) if args.quick else (200, 12, 2.0, 240, 2)
+    rounds = args.rounds or rounds
     torch.manual_seed(0)
     checkpoint = load_checkpoint(bundled_model_path())
     engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(device="cpu", max_num_seqs=32 if args.quick else 64))
     seats = engine.scheduler.max_num_seqs
     throughput(engine, seats, 8)  # warm-up: the first steps of a fresh engine are slower
     print(f"load average at start: {os.getloadavg()}")
-    for is_fair in (True, False):
-        engine.scheduler.is_fair = is_fair
-        ttfts = asyncio.run(b_ttfts(engine, num_a, 64, num_b, delay_s))
-        name = "fair" if is_fair else "FCFS"
-        print(f"burst {name}: A {num_a}x64, B x{num_b}: worst {max(ttfts):.2f}s p50 {statistics.median(ttfts):.2f}s")
-    engine.scheduler.is_fair = True
-    beside = asyncio.run(b_ttfts(engine, seats, 64, num_b, delay_s))
-    print(f"B beside {seats} running A streams (no queue): p50 {statistics.median(beside):.2f}s")
-    rates: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(rounds):
-        for is_fair in (False, True):
+    if "burst" in parts:
+        for is_fair in (True, False):
             engine.scheduler.is_fair = is_fair
-            rates[is_fair].append(throughput(engine, seats, 64))
-    fair, fcfs = max(rates[True]), max(rates[False])
-    print(f"one tenant: fair {fair:.1f} tok/s, FCFS {fcfs:.1f} tok/s ({fair / fcfs - 1:+.1%})")
+            ttfts = asyncio.run(b_ttfts(engine, num_a, 64, num_b, delay_s))
+            name = "fair" if is_fair else "FCFS"
+            worst, p50 = max(ttfts), statistics.median(ttfts)
+            print(f"burst {name}: A {num_a}x64, B x{num_b}: worst {worst:.2f}s p50 {p50:.2f}s")
+        engine.scheduler.is_fair = True
+        beside = asyncio.run(b_ttfts(engine, seats, 64, num_b, delay_s))
+        print(f"B beside {seats} running A streams (no queue): p50 {statistics.median(beside):.2f}s")
+    if "alone" in parts:
+        rates: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(rounds):
+            for is_fair in (False, True):
+                engine.scheduler.is_fair = is_fair
+                rates[is_fair].append(throughput(engine, seats, 64))
+        fair, fcfs = max(rates[True]), max(rates[False])
+        print(f"one tenant: fair {fair:.1f} tok/s, FCFS {fcfs:.1f} tok/s ({fair / fcfs - 1:+.1%}), best of {rounds}")
+        pairs = zip(rates[False], rates[True], strict=True)
+        print(f"  rounds (FCFS, fair): {[(round(a, 1), round(b, 1)) for a, b in pairs]}")
     engine.scheduler.is_fair = True
-    for weights in ((1.0, 1.0), (3.0, 1.0)):
-        ratio = served_ratio(engine, weights, num_steps)
-        print(f"two saturating tenants, weights {weights[0]:g}:{weights[1]:g}: served {ratio:.2f}:1")
+    for weights in ((1.0, 1.0), (3.0, 1.0)) if "shares" in parts else ():
+        ratio, elapsed = served_ratio(engine, weights, num_steps)
+        print(
+            f"two saturating tenants, weights {weights[0]:g}:{weights[1]:g}: served {ratio:.2f}:1 "
+            f"over {num_steps} steps ({elapsed:.1f} s)"
+        )
     print(f"load average at end: {os.getloadavg()}")
 
 
