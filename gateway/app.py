@@ -2,7 +2,8 @@
 
 `app.state` holds `settings`, `access` (an `AccessControl`), `upstream_limiter` (an `UpstreamLimiter`), `routing`
 (the parsed routing file), `metrics`, `started_at`, and — once the lifespan has started — `router` and
-`health_prober` (deployment health probes on the gateway's own schedule; `/health/ready` reads them).
+`health_prober` (deployment health probes on the gateway's own schedule; `/health/ready` reads them) and
+`replica_metrics` (the replicas' own load, polled for `routing: least_load` / `prefix_affinity`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from gateway.engine_metrics import EngineStatsCollector
 from gateway.health_probe import HealthProber
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import build_middleware, http_exception_handler
+from gateway.replica_metrics import ReplicaMetricsPoller
 from gateway.router import Router
 from gateway.routes import anthropic, health_routes, openai_routes, responses
 from gateway.routes.ui import console_routes
@@ -77,6 +79,7 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         built: dict[str, Backend] = {}
         prober: HealthProber | None = None
+        app.state.replica_metrics = poller = ReplicaMetricsPoller()
         start = getattr(access, "start", None)
         if start is not None:
             await start()
@@ -94,12 +97,14 @@ def create_app(
                 timeout_s=settings.health_probe_timeout_s,
             )
             prober.start()
+            poller.start(app.state.router)
             yield
         finally:
             # Shutdown (after the server stopped accepting and in-flight requests finished or were cut):
-            # 0. stop the health probes; 1. close the upstream pools and engines we built;
+            # 0. stop the health probes and replica metrics polls; 1. close the upstream pools and engines we built;
             if prober is not None:
                 await prober.stop()
+            await poller.stop()
             for name, backend in built.items():
                 try:
                     await backend.aclose()
