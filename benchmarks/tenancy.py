@@ -25,11 +25,14 @@ from collections import Counter
 import torch
 
 from local_engine.async_engine import AsyncEngine
+from local_engine.block_manager import BlockManager
 from local_engine.config import EngineConfig
 from local_engine.engine import LLMEngine
 from local_engine.fair_share import Tenancy
 from local_engine.loader import bundled_model_path, load_checkpoint
 from local_engine.sampling_params import SamplingParams
+from local_engine.scheduler import Scheduler
+from local_engine.sequence import Sequence
 
 
 def prompt(i: int, length: int = 24) -> list[int]:
@@ -65,6 +68,24 @@ def throughput(engine: LLMEngine, num: int, tokens: int) -> float:
     while engine.has_unfinished_requests:
         engine.step()
     return num * tokens / (time.perf_counter() - started)
+
+
+def scheduling_s(num_seqs: int, tokens: int, *, is_fair: bool) -> tuple[float, int]:
+    """The scheduler alone (no model: each step "samples" token 7), one tenant, `num_seqs` requests at once: the
+    seconds spent in `schedule()` + `postprocess()` and the steps taken."""
+    blocks = BlockManager(num_seqs * (24 + tokens) // 16 + num_seqs, 16)
+    scheduler = Scheduler(blocks, max_num_seqs=num_seqs, max_num_batched_tokens=8192, max_model_len=4096)
+    scheduler.is_fair = is_fair
+    for i in range(num_seqs):
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        scheduler.add(Sequence(f"s{i}", prompt(i), params, max_tokens=tokens))
+    num_steps = 0
+    started = time.perf_counter()
+    while scheduler.has_unfinished:
+        batch = scheduler.schedule()
+        scheduler.postprocess(batch, [7] * len(batch.seqs))  # (every prompt fits one step: each one samples)
+        num_steps += 1
+    return time.perf_counter() - started, num_steps
 
 
 def served_ratio(engine: LLMEngine, weights: tuple[float, float], num_steps: int) -> tuple[float, float]:
@@ -126,6 +147,13 @@ def main() -> None:
         print(f"one tenant: fair {fair:.1f} tok/s, FCFS {fcfs:.1f} tok/s ({fair / fcfs - 1:+.1%}), best of {rounds}")
         pairs = zip(rates[False], rates[True], strict=True)
         print(f"  rounds (FCFS, fair): {[(round(a, 1), round(b, 1)) for a, b in pairs]}")
+        # What fairness itself costs per step, without the model's run-to-run swing: the scheduler alone.
+        costs = {is_fair: min(scheduling_s(seats, 64, is_fair=is_fair) for _ in range(5)) for is_fair in (False, True)}
+        (fcfs_s, num_steps), (fair_s, _) = costs[False], costs[True]
+        print(
+            f"  the scheduler alone, {seats}x64 one tenant: fair {fair_s / num_steps * 1e6:.0f} us/step, "
+            f"FCFS {fcfs_s / num_steps * 1e6:.0f} us/step ({num_steps} steps)"
+        )
     engine.scheduler.is_fair = True
     for weights in ((1.0, 1.0), (3.0, 1.0)) if "shares" in parts else ():
         ratio, elapsed = served_ratio(engine, weights, num_steps)
