@@ -51,3 +51,34 @@ def test_anthropic_events_pass_untouched_and_their_usage_is_merged() -> None:
     assert account.accept(start) is start and start["message"]["model"] == "m"
     assert account.accept(end) == end  # not an OpenAI stream: its usage stays
     assert account.usage().reported == {"input_tokens": 11, "output_tokens": 5}
+
+
+# -- a stream whose backend counts what it used (the local engine: `OpenStream.usage_so_far`) ---------------------
+
+ENGINE_COUNTS = {"prompt_tokens": 4519, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4512}}
+
+
+def test_a_cut_stream_is_charged_its_backends_own_counts_exactly() -> None:
+    from gateway.ledger import Settlement
+
+    account = StreamAccount("chat/completions", CHAT, served_model="m", metered=lambda: ENGINE_COUNTS)
+    account.accept(delta("漢字"))  # the client leaves after this chunk: no finish reason, no usage chunk
+    usage = account.usage()
+    assert usage.is_cut and usage.reported == ENGINE_COUNTS
+    settled = Settlement.of(usage, num_prompt_estimate=376, pricing=None, num_prompt_bound=4520).usage
+    assert (settled.prompt_tokens, settled.completion_tokens, settled.is_estimated) == (4519, 3, False)
+
+
+def test_a_backend_without_counts_leaves_a_cut_stream_to_the_estimate() -> None:
+    account = StreamAccount("chat/completions", CHAT, served_model="m", metered=lambda: None)
+    account.accept(delta("abc"))
+    assert account.usage() == Usage(None, num_completion_chars=3, has_run=True, is_cut=True)
+
+
+def test_the_streams_own_usage_chunk_wins_over_the_meter() -> None:
+    account = StreamAccount("chat/completions", CHAT, served_model="m", metered=lambda: ENGINE_COUNTS)
+    account.accept(delta("Hello"))
+    account.accept(dict(USAGE_CHUNK))
+    assert account.usage().reported == {"prompt_tokens": 4, "completion_tokens": 2}
+    unstarted = StreamAccount("chat/completions", CHAT, served_model="m", metered=lambda: ENGINE_COUNTS)
+    assert unstarted.usage() == Usage()  # nothing reached the client: nothing is charged from here
