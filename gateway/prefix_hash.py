@@ -8,8 +8,9 @@ request's leading text as the engine will see it, cut into fixed-size character 
 system/developer messages, Anthropic `system`, Responses `instructions`) and the first message after it. Every turn
 of an agent resends the whole conversation, so that text is the same on each turn; two conversations that share a
 system prompt but start differently get different keys, so they spread over replicas, each of which soon holds
-every system prompt. Only the first `max_blocks` whole blocks count, plus the text after them when there are fewer:
-a long first message costs at most `block_chars × max_blocks` characters of hashing.
+every system prompt. Of each of the two parts only the first `max_blocks` blocks count: a long system prompt does not
+hide the first message (its sessions would all share one key), and hashing costs at most `2 × block_chars ×
+max_blocks` characters however long the conversation.
 
 Pure functions over the JSON body: no I/O, no state (gateway instances agree because they compute the same key).
 """
@@ -17,7 +18,6 @@ Pure functions over the JSON body: no I/O, no state (gateway instances agree bec
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["affinity_key", "block_hashes", "leading_text", "session_key"]
@@ -33,7 +33,10 @@ def affinity_key(
         session = session_key(body, session_id)
         if session is not None:
             return hashlib.blake2b(b"s\0" + session.encode(), digest_size=16).digest()
-    hashes = block_hashes(leading_text(body), block_chars=block_chars, max_blocks=max_blocks)
+    limit = block_chars * max_blocks
+    system, first = _leading_parts(body)
+    text = system[:limit] + first[:limit]
+    hashes = block_hashes(text, block_chars=block_chars, max_blocks=2 * max_blocks)
     return hashes[-1] if hashes else b"\0" * 16
 
 
@@ -66,32 +69,31 @@ def block_hashes(text: str, *, block_chars: int, max_blocks: int) -> list[bytes]
 
 
 def leading_text(body: dict[str, Any]) -> str:
-    """The system prompt and the first message after it, rendered as `role\\ntext\\n` parts."""
-    return "".join(_leading_parts(body))
+    """The system prompt and the first message after it, rendered as `role\ntext\n` parts."""
+    system, first = _leading_parts(body)
+    return system + first
 
 
-def _leading_parts(body: dict[str, Any]) -> Iterator[str]:
-    for name in ("system", "instructions"):  # Anthropic Messages, Responses
-        if name in body:
-            yield f"system\n{_text(body[name])}\n"
+def _leading_parts(body: dict[str, Any]) -> tuple[str, str]:
+    """`(the system prompt, the first message after it)`, rendered."""
+    system = "".join(f"system\n{_text(body[name])}\n" for name in ("system", "instructions") if name in body)
     messages = body.get("messages")
     if messages is None:
         messages = body.get("input")  # Responses: a string or a list of items
     if isinstance(messages, str):
-        yield f"user\n{messages}\n"
-        return
+        return system, f"user\n{messages}\n"
     if not isinstance(messages, list):
         prompt = body.get("prompt")  # legacy completions
-        if prompt is not None:
-            yield f"user\n{_text(prompt)}\n"
-        return
+        return system, "" if prompt is None else f"user\n{_text(prompt)}\n"
     for message in messages:
         if not isinstance(message, dict):
             continue
         role = str(message.get("role", "user"))
-        yield f"{role}\n{_text(message.get('content'))}\n"
+        text = f"{role}\n{_text(message.get('content'))}\n"
         if role not in _SYSTEM_ROLES:
-            return  # the first message after the system prompt ends the key's text
+            return system, text
+        system += text
+    return system, ""
 
 
 def _text(content: object) -> str:
