@@ -172,8 +172,8 @@
         h('div', { class: 'card' },
           h('div', { class: 'table-wrap' }, h('table', { id: 'req-table' },
             h('thead', {}, h('tr', {}, ['Time', 'Request', 'Key', 'Model → deployment', 'Status', 'Tokens in / out',
-              'Cost (USD)', 'TTFT', 'Duration', 'Ended by'].map((t, i) => h('th', {
-              class: (i >= 5 && i <= 8 ? 'num' : '') + (i === 6 || i === 9 ? ' hide-narrow' : '') }, t)))),
+              'Cost (USD)', 'TTFT', 'Duration'].map((t, i) => h('th', {
+              class: (i >= 5 ? 'num' : '') + (i === 6 ? ' hide-narrow' : '') }, t)))),
             tbody)),
           h('div', { class: 'row' }, more, count), notice));
 
@@ -267,7 +267,7 @@
         count.textContent = shown ? UG.fmt(shown) + (shown === 1 ? ' request' : ' requests') + ' loaded' +
           (state.cursor && !state.trimmed ? '; older ones: Load more' : '') : '';
         if (!shown && !tbody.querySelector('tr.empty')) {
-          tbody.appendChild(h('tr', { class: 'empty' }, h('td', { colspan: 10, class: 'muted' },
+          tbody.appendChild(h('tr', { class: 'empty' }, h('td', { colspan: 9, class: 'muted' },
             state.cursor ? 'None yet in the records read: Load more reads older ones.' : 'No requests match.')));
         }
         if (shown) for (const empty of tbody.querySelectorAll('tr.empty')) empty.remove();
@@ -283,20 +283,22 @@
         const open = h('button', { type: 'button', class: 'link mono', 'data-open': id, title: id,
           onclick: () => showDetail(id) }, id.length > 14 ? id.slice(0, 12) + '…' : id);
         return h('tr', { 'data-request-id': record.request_id, 'data-status': record.status },
-          h('td', {}, localTime(record.time)),
+          h('td', { title: record.time }, localTime(record.time).slice(11),
+            h('div', { class: 'muted' }, localTime(record.time).slice(0, 10))),
           h('td', {}, open),
           h('td', {}, record.key_name || record.key_id, record.key_name ? h('div', { class: 'muted' }, record.key_id)
             : null),
           h('td', {}, record.model, h('div', { class: 'muted' }, record.deployment
             ? '→ ' + record.deployment + (record.fallback ? ' (fallback ' + record.fallback + ')' : '') : '→ none')),
           h('td', {}, h('span', { class: 'badge ' + statusClass(record.status) }, String(record.status)),
-            record.code ? h('div', { class: 'muted', 'data-code': record.code }, record.code) : null),
+            record.code ? h('div', { class: 'muted', 'data-code': record.code }, record.code) : null,
+            record.ended_by === 'client_left' || record.ended_by === 'timeout'
+              ? h('div', { class: 'muted', 'data-ended-by': record.ended_by }, record.ended_by.replace('_', ' ')) : null),
           h('td', { class: 'num' }, UG.fmt(record.usage.prompt_tokens) + ' / ' + UG.fmt(record.usage.completion_tokens) +
             (record.usage.estimated ? ' (est.)' : '')),
           h('td', { class: 'num hide-narrow' }, record.cost_usd),
           h('td', { class: 'num' }, ms(record.ttft_ms)),
-          h('td', { class: 'num' }, ms(record.duration_ms)),
-          h('td', { class: 'hide-narrow' }, record.ended_by));
+          h('td', { class: 'num' }, ms(record.duration_ms)));
       }
 
       function startTail() {
