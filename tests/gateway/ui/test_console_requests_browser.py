@@ -247,3 +247,10 @@ def test_the_requests_page_filters_tails_details_and_downloads(gateway: Threaded
     expect(page.locator("#req-model")).to_have_value("gpt-test")
     expect(rows).to_have_count(5)
     shoot(page, "requests-model")
+
+    # A phone-sized screen: the page is no wider than the screen (the table scrolls inside its card).
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.click(f"button[data-open='{ok_id}']")
+    expect(page.locator("#req-timeline")).to_be_visible()
+    assert page.evaluate("() => document.documentElement.scrollWidth") <= 390
+    shoot(page, "requests-phone")
