@@ -25,9 +25,9 @@ import hmac
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
 from redis.typing import EncodableT
 
 from auth import redis_names, scripts
@@ -63,6 +63,16 @@ class AccessConfig:
     failure_mode: Literal["closed", "open"] = "closed"  # UNIGATE_REDIS_FAILURE_MODE
     key_cache_ttl_s: float = 5.0  # limits.key_cache_ttl_s
     lease_ttl_s: float = 600.0  # limits.lease_ttl_s
+
+
+def _headers(reply: scripts.AdmitReply, team_reply: scripts.AdmitReply | None) -> dict[str, str]:
+    """The key's x-ratelimit-* headers; the team's for a limit (requests, tokens) the key does not have."""
+    headers = rate_limit_headers(reply)
+    if team_reply is not None and (
+        team_reply.rpm_limit >= 0 > reply.rpm_limit or team_reply.tpm_limit >= 0 > reply.tpm_limit
+    ):
+        headers = {**rate_limit_headers(team_reply), **headers}
+    return headers
 
 
 class RedisAccess:
@@ -222,7 +232,7 @@ class RedisAccess:
             budget_tokens=scripts.clamp_tokens(budget.tokens),
             reserved_micros=reply.reserved_micros,
             lease_id=ask.lease_id,
-            headers={**(rate_limit_headers(team_reply) if team_reply else {}), **rate_limit_headers(reply)},
+            headers=_headers(reply, team_reply),
             # See Admission.settles_late: a budget or TPM check reads the charge, the last free slot its lease.
             settles_late=reply.leases_remaining != 0 and not cached.reads_its_settles and team_is_late,
             request_id=request_id,
@@ -274,34 +284,36 @@ class RedisAccess:
         team_version = cached.team.version if cached.team is not None and cached.team.team_id == team_id else None
         key_command = self._command(key_id, key_hash, cached.version, ask)
         team_command = self._command(state_id, "", team_version, ask)
-        futures = (
-            self._pipe.submit(lambda: key_command, key=redis_names.key_record(key_id)),
-            self._pipe.submit(lambda: team_command, key=redis_names.team_record(team_id)),
+        key_future = self._pipe.submit(lambda: key_command, key=redis_names.key_record(key_id))
+        team_future = self._pipe.submit(lambda: team_command, key=redis_names.team_record(team_id))
+        replies = (
+            await self._reply(key_future, key_id, key_hash, cached.version, ask),
+            await self._reply(team_future, state_id, "", team_version, ask),
         )
-        raw = await asyncio.gather(*futures, return_exceptions=True)
-        replies: list[scripts.AdmitReply | None] = [None, None]
-        failure: StorageError | ScriptError | None = None
-        for i, (result, state, key, version) in enumerate(
-            zip(raw, (key_id, state_id), (key_hash, ""), (cached.version, team_version), strict=True)
-        ):
-            try:
-                if isinstance(result, NoScriptError):  # Redis restarted or was flushed: register and ask again
-                    replies[i] = await self._admit_one(state, key, version, ask)
-                elif isinstance(result, BaseException):
-                    raise scripts.classify_failure(result, self._scripts.admit) from result
-                else:
-                    replies[i] = scripts.admit_reply(result, self._scripts)
-            except (StorageError, ScriptError) as error:
-                failure = error
+        failure = next((reply for reply in replies if not isinstance(reply, scripts.AdmitReply)), None)
         key_reply, team_reply = replies
-        if failure is not None or key_reply is None or team_reply is None:
-            if key_reply is not None and key_reply.status == "ok":
+        if failure is not None:
+            if isinstance(key_reply, scripts.AdmitReply) and key_reply.status == "ok":
                 await self._cancel(key_id, key_reply, ask)
-            if team_reply is not None and team_reply.status == "ok":
+            if isinstance(team_reply, scripts.AdmitReply) and team_reply.status == "ok":
                 await self._cancel(state_id, team_reply, ask)
-            assert failure is not None
             raise failure
+        assert isinstance(key_reply, scripts.AdmitReply) and isinstance(team_reply, scripts.AdmitReply)
         return key_reply, team_reply
+
+    async def _reply(
+        self, future: asyncio.Future[Any], state_id: str, key_hash: str, version: int | None, ask: _Ask
+    ) -> scripts.AdmitReply | StorageError | ScriptError:
+        """One pipelined admission's reply, or what failed (so that the other's can still be read and undone)."""
+        try:
+            try:
+                return scripts.admit_reply(await future, self._scripts)
+            except NoScriptError:  # Redis restarted or was flushed: register and ask again
+                return await self._admit_one(state_id, key_hash, version, ask)
+            except (TimeoutError, RedisError, OSError) as exc:
+                raise scripts.classify_failure(exc, self._scripts.admit) from exc
+        except (StorageError, ScriptError) as error:
+            return error
 
     async def _admit_team_or_cancel(
         self, key_id: str, key_reply: scripts.AdmitReply, cached: CachedKey, team_id: str, ask: _Ask

@@ -10,11 +10,10 @@ answers.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 from redis.exceptions import NoScriptError, RedisError
 from redis.typing import EncodableT
@@ -39,6 +38,19 @@ def _done() -> asyncio.Future[None]:
     future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     future.set_result(None)
     return future
+
+
+def _both(first: asyncio.Future[None], second: asyncio.Future[None]) -> asyncio.Future[None]:
+    """Done when both are (lighter than `asyncio.gather`; neither ever fails)."""
+    both = first.get_loop().create_future()
+
+    def on_done(_: asyncio.Future[None]) -> None:
+        if first.done() and second.done() and not both.done():
+            both.set_result(None)
+
+    first.add_done_callback(on_done)
+    second.add_done_callback(on_done)
+    return both
 
 
 @dataclass(slots=True)
@@ -92,16 +104,26 @@ class SettleBatcher:
         )
         settles = [(key_id, item)]
         if admission.team_id is not None:
-            team_item = dataclasses.replace(item, reserved_micros=admission.team_reserved_micros)
+            team_item = scripts.SettleItem(
+                request_id,
+                item.reserved_tokens,
+                item.prompt_tokens,
+                item.completion_tokens,
+                item.model,
+                item.cost_micros,
+                item.is_priced,
+                item.budget_tokens,
+                admission.team_reserved_micros,
+                item.is_estimated,
+            )
             settles.append((redis_names.team_state_id(admission.team_id), team_item))
         if self._failures.is_down():  # known down: keep them for when Redis answers again
             for state_id, queued in settles:
                 self._retries.keep(state_id, [queued])
             return _done()
-        futures = [self._queue(state_id, queued, admission.request_id) for state_id, queued in settles]
-        if len(futures) == 1:
-            return futures[0]
-        return cast(Awaitable[None], asyncio.gather(*futures))
+        if len(settles) == 1:
+            return self._queue(key_id, item, admission.request_id)
+        return _both(*(self._queue(state_id, queued, admission.request_id) for state_id, queued in settles))
 
     def _queue(self, state_id: str, item: scripts.SettleItem, request_id: str) -> asyncio.Future[None]:
         """Add one settle to the open batch of its state id (a key's id or a team's), opening one if needed."""

@@ -181,6 +181,11 @@ def main() -> None:
         action="store_true",
         help="also measure with a unified key that has RPM/TPM/concurrency limits (auth + Redis limits on)",
     )
+    parser.add_argument(
+        "--team",
+        action="store_true",
+        help="with --limits: the limited key is in a team with the same limits (the key's and the team's admissions)",
+    )
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -189,7 +194,7 @@ def main() -> None:
             if args.hold:
                 print(f"direct: {direct_url}\ngateway: {gateway_url}\n(ctrl-c to stop)", flush=True)
                 signal.pause()
-            limited_key = create_limited_key(gateway_url) if args.limits else None
+            limited_key = create_limited_key(gateway_url, in_team=args.team) if args.limits else None
             rows = uvloop.run(
                 run_all(levels, args.seconds, direct_url, gateway_url, limited_key, gateway_pid=processes[1].pid)
             )
@@ -201,13 +206,19 @@ def main() -> None:
     print_table(rows)
 
 
-def create_limited_key(gateway_url: str) -> str:
-    """A unified key whose limits are never reached, so every request runs the full admit/settle Lua path."""
+def create_limited_key(gateway_url: str, *, in_team: bool = False) -> str:
+    """A unified key whose limits are never reached, so every request runs the full admit/settle Lua path (with
+    `in_team`, twice: the key's and its team's, which has the same limits)."""
     import httpx
 
     admin = gateway_url.replace("/v1/chat/completions", "/admin/keys")
-    body = {"name": "bench", "rpm": 10**9, "tpm": 10**12, "max_concurrent": 100_000, "token_budget": 10**15}
-    response = httpx.post(admin, json=body, headers={"authorization": f"Bearer {MASTER_KEY}"})
+    headers = {"authorization": f"Bearer {MASTER_KEY}"}
+    body: dict[str, object] = {"rpm": 10**9, "tpm": 10**12, "max_concurrent": 100_000, "token_budget": 10**15}
+    if in_team:
+        team = httpx.post(admin.replace("/keys", "/teams"), json={"name": "bench", **body}, headers=headers)
+        team.raise_for_status()
+        body["team_id"] = team.json()["id"]
+    response = httpx.post(admin, json={"name": "bench", **body}, headers=headers)
     response.raise_for_status()
     return str(response.json()["key"])
 
