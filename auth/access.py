@@ -167,6 +167,9 @@ class RedisAccess:
         try:
             self._failures.check_redis_up()
             record = await self._store.find_by_secret(credential)
+            team = None
+            if record is not None and record.team_id is not None:  # its allowlist, weight and priority count too
+                team = await self._store.hgetall(redis_names.team_record(record.team_id))
         except StorageError as exc:
             await self._failures.note_failure("authenticate", exc)
             return self._failures.without_redis(cached, None, exc, is_fresh=self._keys.is_fresh(cached))
@@ -174,6 +177,8 @@ class RedisAccess:
             self._keys.forget(key_hash)
             raise unknown_key_error()
         cached = self._keys.remember(key_hash, record)
+        if team is not None:
+            cached.set_team(CachedTeam.from_hash(team) if "id" in team else None)
         cached.check()
         return cached.principal
 

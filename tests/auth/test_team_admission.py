@@ -227,3 +227,13 @@ async def test_the_pipelined_pair_registers_its_script_again_after_a_flush(
     assert admission.team_id == team.id
     assert await _num_logged(redis, redis_names.team_state_id(team.id)) == 2
     assert access.num_script_errors == {} and access.num_storage_errors == 0
+
+
+async def test_authenticate_knows_the_team_before_any_admission(
+    make_access: Any, teams: TeamStore, store: KeyStore
+) -> None:
+    """What `/v1/models` lists for a key in a team: the models both allow."""
+    team = await teams.create(name="t", models=["a/*"], weight=2.0)
+    _, secret = await store.create({}, team_id=team.id)
+    principal = await (await make_access()).authenticate(secret)
+    assert principal.may_use("a/x") and not principal.may_use("b/x") and principal.weight == 2.0
