@@ -248,9 +248,25 @@ def test_the_requests_page_filters_tails_details_and_downloads(gateway: Threaded
     expect(rows).to_have_count(5)
     shoot(page, "requests-model")
 
+    # Load more: 50 rows a page, then the cursor for the older ones.
+    with httpx.Client(timeout=30) as client:
+        body = {"model": "gpt-test", "messages": [{"role": "user", "content": SECRET_PROMPT}]}
+        for _ in range(50):
+            sent = client.post(f"{url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {other}"})
+            assert sent.status_code == 200
+    logged(url, sent.headers["x-request-id"])
+    page.goto(f"{url}/ui#/requests?key={other_id}")
+    expect(rows).to_have_count(50)
+    expect(rows.nth(0)).to_have_attribute("data-request-id", sent.headers["x-request-id"])
+    page.click("#req-more")
+    expect(rows).to_have_count(52)  # with the two earlier ones (elsewhere, late_other), oldest last
+    expect(rows.nth(51)).to_have_attribute("data-request-id", elsewhere_id)
+    expect(page.locator("#req-more")).to_be_hidden()
+    expect(page.locator("#req-count")).to_have_text("52 requests loaded")
+
     # A phone-sized screen: the page is no wider than the screen (the table scrolls inside its card).
     page.set_viewport_size({"width": 390, "height": 844})
-    page.click(f"button[data-open='{ok_id}']")
+    page.click(f"button[data-open='{elsewhere_id}']")
     expect(page.locator("#req-timeline")).to_be_visible()
     assert page.evaluate("() => document.documentElement.scrollWidth") <= 390
     shoot(page, "requests-phone")
