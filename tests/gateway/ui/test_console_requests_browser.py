@@ -4,7 +4,8 @@ Python) against the production gateway on loopback with real Redis and a fake Op
 A few requests go through the gateway (a stream that succeeds, then a 429 from a key with rpm 1, and another key's
 request); the operator follows the key's "Requests" link from the Keys page, filters by status 429, opens a
 detail with its attempts timeline and TTFT mark, turns the live tail on and sees a new request arrive (and not
-another key's), downloads the rows as CSV, and follows a deployment's link from the Models page. No prompt text
+another key's), downloads the rows as CSV, sees the tail stop when the page is left, follows a deployment's and a
+model's link from the Models page, pages with "Load more", and looks at it on a phone-sized screen. No prompt text
 shows anywhere, in the page or the CSV."""
 
 from __future__ import annotations
