@@ -60,6 +60,7 @@ class AttemptRecord:
     status: int
     duration_ms: float
     code: str = ""
+    start_ms: float = 0.0  # when it started, after the request arrived
 
 
 @dataclass(frozen=True, slots=True)

@@ -152,7 +152,10 @@ class RequestTrace:
             )
 
     def attempted(self, deployment: str, status: int, duration_s: float, code: str = "") -> None:
-        self.attempts.append(AttemptRecord(deployment, status, round(duration_s * 1000, 2), code))
+        start_s = time.perf_counter() - duration_s - self.started_perf
+        self.attempts.append(
+            AttemptRecord(deployment, status, round(duration_s * 1000, 2), code, round(start_s * 1000, 2))
+        )
         span, self._attempt_span = self._attempt_span, None
         if span is not None:
             if status:

@@ -119,6 +119,9 @@ async def test_success_error_and_fallback_are_recorded_and_read_from_another_ins
         assert (record["model"], record["fallback"], record["deployment"]) == ("flaky", "m", "up")
         attempts = [(x["deployment"], x["status"]) for x in record["attempts"]]
         assert attempts[-1] == ("up", 200) and len(attempts) >= 2
+        first, last = record["attempts"][0], record["attempts"][-1]
+        assert 0 < first["start_ms"] and first["start_ms"] + first["duration_ms"] <= last["start_ms"]
+        assert last["start_ms"] + last["duration_ms"] <= record["duration_ms"]
         assert all(
             d == "down" and s != 200 and x["code"] for (d, s), x in zip(attempts[:-1], record["attempts"], strict=False)
         )

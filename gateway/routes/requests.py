@@ -49,7 +49,13 @@ def record_json(record: RequestRecord) -> dict[str, Any]:
         "ended_by": record.ended_by,
         "stream": record.is_stream,
         "attempts": [
-            {"deployment": a.deployment, "status": a.status, "duration_ms": a.duration_ms, "code": a.code or None}
+            {
+                "deployment": a.deployment,
+                "status": a.status,
+                "start_ms": a.start_ms,
+                "duration_ms": a.duration_ms,
+                "code": a.code or None,
+            }
             for a in record.attempts
         ],
         "usage": {

@@ -72,12 +72,12 @@
     return node;
   }
 
-  /** The attempts as bars scaled to the request's duration, one row each, laid end to end from the request's start
-   * (the record keeps each attempt's duration, not its start); the TTFT as a vertical mark. SVG attributes only. */
+  /** The attempts as bars scaled to the request's duration, one row each, placed at their start (`start_ms`; records
+   * without one are laid end to end); the TTFT as a vertical mark. SVG attributes only. */
   function timeline(record) {
     const attempts = record.attempts;
     const total = Math.max(record.duration_ms || 0, record.ttft_ms || 0,
-      attempts.reduce((sum, a) => sum + a.duration_ms, 0), 0.001);
+      attempts.reduce((end, a) => Math.max(end + a.duration_ms, (a.start_ms || 0) + a.duration_ms), 0), 0.001);
     const x = (t) => (100 * Math.min(1, Math.max(0, t / total))).toFixed(2) + '%';
     const row = 22;
     const height = row * (attempts.length + 1) + 18;
@@ -92,6 +92,7 @@
     label('request · ' + ms(record.duration_ms), '0.5%', 15);
     let start = 0;
     attempts.forEach((a, i) => {
+      if (typeof a.start_ms === 'number' && a.start_ms > 0) start = a.start_ms;
       const y = row * (i + 1) + 4;
       const ok = a.status >= 200 && a.status < 300;
       const bar = svg('rect', { x: x(start), y: y, width: x(Math.max(a.duration_ms, total / 500)), height: 14,
