@@ -67,6 +67,7 @@ token_limit = st.none() | st.integers(0, 400)
 concurrency = st.none() | st.integers(1, 3)
 usd_budget = st.none() | st.sampled_from([Decimal(0), Decimal("0.000020"), Decimal("0.0001")])
 periods = st.sampled_from(["total", "day", "month"])
+TEAM_MODELS = st.sampled_from([(), ("priced", "free"), ("priced",), ("free", "fallback")])
 LIMIT_STRATEGIES = {
     "rpm": limit,
     "tpm": token_limit,
@@ -110,6 +111,7 @@ class KeyModel:
     usage_days: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     usage_total: dict[str, list[int]] = field(default_factory=dict)
     team: KeyModel | None = None  # a key's team (a team is modelled as a key: `team_id` set, `id` its state id)
+    models: tuple[str, ...] = ()  # a team's allowlist (the keys here have none)
     team_id: str | None = None  # set on a team's model only
 
     def live_tokens(self, now: int) -> int:
@@ -222,13 +224,28 @@ class Request:
     team: KeyModel | None = None  # the team admitted with the key (settled with it, wherever the key is now)
 
 
-def _decide(key: KeyModel, now: int, estimate: int, hold: tuple[int, int]) -> tuple[str, bool]:
-    """The decision on a key's request and whether it was its team's: the key's checks first, then its team's."""
+def _decide(
+    key: KeyModel, now: int, estimate: int, hold: tuple[int, int], team_hold: tuple[int, int], model: str
+) -> tuple[str, bool]:
+    """The decision on a key's request and whether it was its team's: the key's checks first, then its team's
+    (its allowlist first, as the script checks it before the budgets)."""
     expected = key.decide(now, estimate, hold)
     if expected == "ok" and key.team is not None:
-        team_decision = key.team.decide(now, estimate, hold)
+        if key.team.models and model not in key.team.models:
+            return "model_not_allowed", True
+        team_decision = key.team.decide(now, estimate, team_hold)
         return team_decision, team_decision != "ok"
     return expected, False
+
+
+def _team_hold(team: KeyModel | None, hold_tokens: int, costs: tuple[tuple[str, int], ...]) -> tuple[int, int]:
+    """What a team holds: the dearest cost among the requested model and the fallbacks the team may use."""
+    allowed = [
+        micros
+        for i, (name, micros) in enumerate(costs)
+        if i == 0 or team is None or not team.models or name in team.models
+    ]
+    return hold_tokens, max(allowed)
 
 
 def _usage_rows(raw: dict[bytes, bytes]) -> dict[str, list[int]]:
@@ -300,6 +317,7 @@ class AccountingMachine(RuleBasedStateMachine):
         tpm=st.none() | st.integers(100, 400),
         max_concurrent=concurrency,
         budget_usd=st.none() | st.just(Decimal("0.0001")),
+        models=TEAM_MODELS,
     )
     def first_team(self, **fields: Any) -> KeyModel:
         """A team from the start (keys join it at creation or by moving), so that most runs have keys in teams."""
@@ -362,24 +380,33 @@ class AccountingMachine(RuleBasedStateMachine):
         token_budget=token_limit,
         budget_usd=usd_budget,
         budget_period=periods,
+        models=TEAM_MODELS,
     )
-    def create_team(self, **fields: Any) -> KeyModel:
+    def create_team(self, models: tuple[str, ...] = (), **fields: Any) -> KeyModel:
         budget_usd = fields.pop("budget_usd")
         budget_micros = None if budget_usd is None else int(budget_usd * 1_000_000)
-        record = self.run(self.team_store.create(name=f"team{len(self.models)}", budget_micros=budget_micros, **fields))
+        name = f"team{len(self.models)}"
+        record = self.run(self.team_store.create(name=name, models=models, budget_micros=budget_micros, **fields))
         team = KeyModel(
-            id=redis_names.team_state_id(record.id), secret="", team_id=record.id, budget_micros=budget_micros, **fields
+            id=redis_names.team_state_id(record.id),
+            secret="",
+            team_id=record.id,
+            budget_micros=budget_micros,
+            models=models,
+            **fields,
         )
         self.models.append(team)
         return team
 
     @rule(
         team=teams,
-        name=st.sampled_from(["rpm", "tpm", "max_concurrent", "token_budget", "budget_micros", "budget_period"]),
+        name=st.sampled_from(
+            ["rpm", "tpm", "max_concurrent", "token_budget", "budget_micros", "budget_period", "models"]
+        ),
         data=st.data(),
     )
     def change_team_limit(self, team: KeyModel, name: str, data: st.DataObject) -> None:
-        value = data.draw(LIMIT_STRATEGIES[name], label=name)
+        value = data.draw(TEAM_MODELS if name == "models" else LIMIT_STRATEGIES[name], label=name)
         assert team.team_id is not None
         self.run(self.team_store.update(team.team_id, {name: value}))
         team.is_budget_fixed = team.is_budget_fixed and name not in ("token_budget", "budget_micros", "budget_period")
@@ -421,8 +448,10 @@ class AccountingMachine(RuleBasedStateMachine):
         """Several requests may be admitted before any settles; each holds its worst case against the budgets
         (the cost: the dearest of the model and its fallback, as every key here may use every model)."""
         hold = (hold_tokens, max(costs))
-        expected, is_team_refusal = _decide(key, self.now, estimate, hold)
-        budget = BudgetCost(hold_tokens, ((model, costs[0]), ("fallback", costs[1])))
+        priced = ((model, costs[0]), ("fallback", costs[1]))
+        team_hold = _team_hold(key.team, hold_tokens, priced)
+        expected, is_team_refusal = _decide(key, self.now, estimate, hold, team_hold, model)
+        budget = BudgetCost(hold_tokens, priced)
         try:
             admission = self.run(self.access.admit(key.secret, model=model, estimated_tokens=estimate, budget=budget))
         except GatewayError as error:
@@ -430,14 +459,16 @@ class AccountingMachine(RuleBasedStateMachine):
             assert ("team '" in error.message) == is_team_refusal, error.message
             return multiple()
         assert expected == "ok", f"admitted, but the model says {expected}"
-        return self._admitted(key, admission, estimate, hold)
+        return self._admitted(key, admission, estimate, hold, team_hold)
 
-    def _admitted(self, key: KeyModel, admission: Admission, estimate: int, hold: tuple[int, int]) -> Request:
+    def _admitted(
+        self, key: KeyModel, admission: Admission, estimate: int, hold: tuple[int, int], team_hold: tuple[int, int]
+    ) -> Request:
         assert admission.lease_id is not None
         assert admission.team_id == (key.team.team_id if key.team is not None else None)
         key.admit(self.now, admission.lease_id, estimate, hold)
         if key.team is not None:
-            key.team.admit(self.now, admission.lease_id, estimate, hold)
+            key.team.admit(self.now, admission.lease_id, estimate, team_hold)
         return Request(key, admission, estimate, hold if key.is_budgeted else (0, 0), key.team)
 
     @rule(
@@ -473,7 +504,7 @@ class AccountingMachine(RuleBasedStateMachine):
             assert any(self._fits_in_order(asks, order, hold) for order in ((0, 1), (1, 0))), "both admitted"
         for i, outcome in enumerate(outcomes):
             key, estimate = asks[i]
-            alone = _decide(key, self.now, estimate, hold)[0]
+            alone = _decide(key, self.now, estimate, hold, hold, "priced")[0]
             if isinstance(outcome, Admission):
                 assert alone == "ok", f"admitted, but the model says {alone}"
             else:
@@ -484,11 +515,11 @@ class AccountingMachine(RuleBasedStateMachine):
         for i in admitted:
             admission = outcomes[i]
             assert isinstance(admission, Admission)
-            requests.append(self._admitted(asks[i][0], admission, asks[i][1], hold))
+            requests.append(self._admitted(asks[i][0], admission, asks[i][1], hold, hold))
         return multiple(*requests)
 
     def _fits_in_order(self, asks: list[tuple[KeyModel, int]], order: tuple[int, int], hold: tuple[int, int]) -> bool:
-        return _decide(asks[order[0]][0], self.now, asks[order[0]][1], hold)[0] == "ok" and (
+        return _decide(asks[order[0]][0], self.now, asks[order[0]][1], hold, hold, "priced")[0] == "ok" and (
             self._decide_after(asks, order[0], order[1], hold) == "ok"
         )
 
@@ -500,7 +531,7 @@ class AccountingMachine(RuleBasedStateMachine):
         key_copy.admit(self.now, "probe", first_estimate, hold)
         if key_copy.team is not None:
             key_copy.team.admit(self.now, "probe", first_estimate, hold)
-        return _decide(then_copy, self.now, asks[then][1], hold)[0]
+        return _decide(then_copy, self.now, asks[then][1], hold, hold, "priced")[0]
 
     @rule(key=keys, estimate=st.integers(0, 50))
     def admit_with_old_secret(self, key: KeyModel, estimate: int) -> None:
