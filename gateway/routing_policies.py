@@ -9,8 +9,9 @@
 - `prefix_affinity`: consistent hashing with bounded loads over the request's affinity key (gateway/prefix_hash.py).
   The deployments are ranked by weighted rendezvous hashing of the key (the same order on every gateway instance,
   and adding or removing one deployment moves only the keys it wins or held); the request goes to the first in that
-  order whose load, with this request, stays within `load_factor` times its weighted share of the total load
-  (`choose_bounded`). A hot key therefore spills to its second choice, the same one everywhere, and back once the
+  order whose load, with this request, stays within `load_factor` times its weighted share of the total load plus
+  `load_slack` requests (`choose_bounded`). A hot key therefore spills to its second choice, the same one everywhere,
+  and back once the
   first has room. Loads are `least_load`'s.
 
 A deployment whose metrics poll failed `MAX_METRICS_FAILS` times in a row gets no new requests under `least_load` and
@@ -106,7 +107,8 @@ def pick_by_policy(
         return chosen
     if policy == "prefix_affinity" and key is not None:
         candidates = [Candidate(d.name, d.config.weight, load_of(d, now, stale_s)) for d in fresh]
-        name = choose_bounded(key, candidates, route.config.affinity.load_factor)
+        affinity = route.config.affinity
+        name = choose_bounded(key, candidates, affinity.load_factor, affinity.load_slack)
         return next(d for d in fresh if d.name == name)
     loads = [load_of(d, now, stale_s) / d.config.weight for d in fresh]
     best = min(loads)
@@ -129,14 +131,16 @@ def rendezvous_order(key: bytes, candidates: Sequence[Candidate]) -> list[Candid
     return sorted(candidates, key=score, reverse=True)
 
 
-def choose_bounded(key: bytes, candidates: Sequence[Candidate], load_factor: float) -> str:
+def choose_bounded(key: bytes, candidates: Sequence[Candidate], load_factor: float, load_slack: int = 0) -> str:
     """Consistent hashing with bounded loads: the first deployment in `key`'s rendezvous order whose load with this
-    request fits `ceil(load_factor × (total load + 1) × weight / total weight)`. Whole-number loads always leave one
-    that fits; fractional ones (gauges) may not, and then the least loaded per unit of weight takes it."""
+    request fits `ceil(load_factor × (total load + 1) × weight / total weight) + load_slack`. Whole-number loads
+    always leave one that fits; fractional ones (gauges) may not, and then the least loaded per unit of weight takes
+    it. `load_slack` keeps a conversation where its cache is while the fleet is nearly idle (one request in flight
+    is already over `load_factor` times a mean of a quarter)."""
     total_load = sum(c.load for c in candidates) + 1.0
     total_weight = sum(c.weight for c in candidates)
     for candidate in rendezvous_order(key, candidates):
-        capacity = math.ceil(load_factor * total_load * candidate.weight / total_weight - 1e-9)
+        capacity = math.ceil(load_factor * total_load * candidate.weight / total_weight - 1e-9) + load_slack
         if candidate.load + 1.0 <= capacity:
             return candidate.name
     return min(candidates, key=lambda c: ((c.load + 1.0) / c.weight, c.name)).name

@@ -119,6 +119,7 @@ class ReplicaSim:
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
         self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()  # ends a `hang` answer
         self._runner: web.AppRunner | None = None
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -144,6 +145,7 @@ class ReplicaSim:
         self._loop_task = asyncio.create_task(self._step_loop())
 
     async def stop(self) -> None:
+        self._stopping.set()
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -255,7 +257,8 @@ class ReplicaSim:
         if self.metrics_mode == "down":
             return web.Response(status=503, text="down")
         if self.metrics_mode == "hang":
-            await asyncio.sleep(3600)
+            await self._stopping.wait()
+            return web.Response(status=503, text="stopping")
         if self.metrics_mode == "empty":
             return web.Response(text="# no load metrics here\nprocess_cpu_seconds_total 1.0\n")
         held = sum(len(s.blocks) for s in self._running)
@@ -330,6 +333,10 @@ class ReplicaFleet:
     async def _stop_all(self) -> None:
         for replica in self.replicas:
             await replica.stop()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
 
 
 def main() -> None:
