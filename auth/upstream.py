@@ -25,6 +25,7 @@ from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, get_args
 
+from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import MaxConnectionsError
 
 from auth import redis_names, scripts
@@ -101,6 +102,8 @@ class RedisUpstreamLimiter:
         # BLPOP for wake-ups: a second client (one connection per waiter, so a large pool) whose read timeout
         # outlasts the blocking wait.
         self._blocking = blocking_client(redis, read_timeout_s=_POLL_S + 1.0, max_connections=_MAX_WAITERS)
+        self._is_blocking_ready = isinstance(self._blocking, Redis)  # a cluster client reads its slot map first
+        self._blocking_lock = asyncio.Lock()
         self._failures = failures
         self._scripts = script_set
         self._lease_ttl_ms = lease_ttl_ms
@@ -193,11 +196,23 @@ class RedisUpstreamLimiter:
     async def _wait_for_wake(self, wake_key: str, timeout_s: float) -> None:
         try:
             async with storage_errors():
+                if not self._is_blocking_ready:
+                    await self._read_slot_map()
                 await self._blocking.blpop([wake_key], timeout=timeout_s)
         except StorageError as exc:
             if not isinstance(exc.__cause__, MaxConnectionsError):
+                self._is_blocking_ready = isinstance(self._blocking, Redis)
                 raise
             await asyncio.sleep(timeout_s)  # more waiters than blocking connections: poll instead
+
+    async def _read_slot_map(self) -> None:
+        """Read the blocking cluster client's slot map once, before its BLPOPs (and again after a failure): a
+        client that has not read it sends its first commands to any node, and a crowd of waiters that all get MOVED
+        at once makes redis-py close every connection, cutting every other waiter's BLPOP too."""
+        async with self._blocking_lock:
+            if not self._is_blocking_ready and isinstance(self._blocking, RedisCluster):
+                await self._blocking.initialize()
+            self._is_blocking_ready = True
 
     async def _withdraw(self, deployment: str, lease_id: str, entry: str, place: _Place) -> None:
         """Leave the line (free the slot); a slot handed over in the meantime passes on to the next waiter."""
