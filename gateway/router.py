@@ -28,6 +28,7 @@ import asyncio
 import difflib
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -75,6 +76,7 @@ class ModelRoute:
     config: ModelConfig
     deployments: list[Deployment] = field(default_factory=list)
     num_picks: int = 0  # `routing: round_robin`'s position
+    placements: OrderedDict[bytes, str] = field(default_factory=OrderedDict)  # prefix_affinity: key -> deployment
 
     @property
     def id(self) -> str:

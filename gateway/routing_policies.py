@@ -10,9 +10,10 @@
   The deployments are ranked by weighted rendezvous hashing of the key (the same order on every gateway instance,
   and adding or removing one deployment moves only the keys it wins or held); the request goes to the first in that
   order whose load, with this request, stays within `load_factor` times its weighted share of the total load plus
-  `load_slack` requests (`choose_bounded`). A hot key therefore spills to its second choice, the same one everywhere,
-  and back once the
-  first has room. Loads are `least_load`'s.
+  `load_slack` requests (`choose_bounded`). A hot key therefore spills to its second choice, the same one everywhere.
+  Each gateway remembers where it last sent a key (`ModelRoute.placements`, the `MAX_PLACEMENTS` most recent) and
+  sends it there again while that deployment is within the bound, so a conversation that spilled stays where its
+  prefix now is instead of moving back and forth with the load. Loads are `least_load`'s.
 
 A deployment whose metrics poll failed `MAX_METRICS_FAILS` times in a row gets no new requests under `least_load` and
 `prefix_affinity` until a poll succeeds (`is_reachable`).
@@ -47,6 +48,7 @@ __all__ = [
 ]
 
 MAX_METRICS_FAILS = 2  # consecutive failed metrics polls that take a replica out of rotation
+MAX_PLACEMENTS = 65536  # prefix_affinity keys a route remembers the deployment of (the least recent go first)
 
 
 @dataclass(slots=True)
@@ -108,7 +110,12 @@ def pick_by_policy(
     if policy == "prefix_affinity" and key is not None:
         candidates = [Candidate(d.name, d.config.weight, load_of(d, now, stale_s)) for d in fresh]
         affinity = route.config.affinity
-        name = choose_bounded(key, candidates, affinity.load_factor, affinity.load_slack)
+        placements = route.placements
+        name = choose_bounded(key, candidates, affinity.load_factor, affinity.load_slack, placements.get(key))
+        placements[key] = name
+        placements.move_to_end(key)
+        if len(placements) > MAX_PLACEMENTS:
+            placements.popitem(last=False)
         return next(d for d in fresh if d.name == name)
     loads = [load_of(d, now, stale_s) / d.config.weight for d in fresh]
     best = min(loads)
@@ -131,15 +138,24 @@ def rendezvous_order(key: bytes, candidates: Sequence[Candidate]) -> list[Candid
     return sorted(candidates, key=score, reverse=True)
 
 
-def choose_bounded(key: bytes, candidates: Sequence[Candidate], load_factor: float, load_slack: int = 0) -> str:
+def choose_bounded(
+    key: bytes,
+    candidates: Sequence[Candidate],
+    load_factor: float,
+    load_slack: int = 0,
+    placed: str | None = None,
+) -> str:
     """Consistent hashing with bounded loads: the first deployment in `key`'s rendezvous order whose load with this
-    request fits `ceil(load_factor × (total load + 1) × weight / total weight) + load_slack`. Whole-number loads
-    always leave one that fits; fractional ones (gauges) may not, and then the least loaded per unit of weight takes
-    it. `load_slack` keeps a conversation where its cache is while the fleet is nearly idle (one request in flight
-    is already over `load_factor` times a mean of a quarter)."""
+    request fits `ceil(load_factor × (total load + 1) × weight / total weight) + load_slack` — `placed` (where the
+    key went last) first when it fits. Whole-number loads always leave one that fits; fractional ones (gauges) may
+    not, and then the least loaded per unit of weight takes it. `load_slack` keeps a conversation where its cache
+    is while the fleet is nearly idle (one request in flight is already over `load_factor` times a mean of a
+    quarter)."""
     total_load = sum(c.load for c in candidates) + 1.0
     total_weight = sum(c.weight for c in candidates)
-    for candidate in rendezvous_order(key, candidates):
+    ranked = rendezvous_order(key, candidates)
+    ranked.sort(key=lambda c: c.name != placed)  # stable: `placed` first, the others in rendezvous order
+    for candidate in ranked:
         capacity = math.ceil(load_factor * total_load * candidate.weight / total_weight - 1e-9) + load_slack
         if candidate.load + 1.0 <= capacity:
             return candidate.name

@@ -16,10 +16,13 @@ candidates_strategy = st.lists(
 ).map(lambda rows: [Candidate(f"d{i}", weight, float(load)) for i, (load, weight) in enumerate(rows)])
 
 
-def reference(key: bytes, candidates: list[Candidate], factor: float, slack: int) -> str:
-    """The definition, spelled out: rank by hash, then the first whose load with this request fits its share."""
+def reference(key: bytes, candidates: list[Candidate], factor: float, slack: int, placed: str | None) -> str:
+    """The definition, spelled out: the last placement, then the others ranked by hash; the first whose load with
+    this request fits its share wins."""
     total, weight = sum(c.load for c in candidates) + 1, sum(c.weight for c in candidates)
-    ranked = rendezvous_order(key, candidates)
+    ranked = [c for c in candidates if c.name == placed] + [
+        c for c in rendezvous_order(key, candidates) if c.name != placed
+    ]
     fits = [c for c in ranked if c.load + 1 <= math.ceil(factor * total * c.weight / weight - 1e-9) + slack]
     return (fits or sorted(candidates, key=lambda c: ((c.load + 1) / c.weight, c.name)))[0].name
 
@@ -30,12 +33,13 @@ def reference(key: bytes, candidates: list[Candidate], factor: float, slack: int
     candidates_strategy,
     st.sampled_from([1.0, 1.1, 1.25, 2.0]),
     st.integers(0, 3),
+    st.one_of(st.none(), st.sampled_from(["d0", "d3", "gone"])),
 )
 def test_bounded_choice_matches_the_reference_and_respects_the_bound(
-    key: bytes, candidates: list[Candidate], factor: float, slack: int
+    key: bytes, candidates: list[Candidate], factor: float, slack: int, placed: str | None
 ) -> None:
-    chosen = choose_bounded(key, candidates, factor, slack)
-    assert chosen == reference(key, candidates, factor, slack)
+    chosen = choose_bounded(key, candidates, factor, slack, placed)
+    assert chosen == reference(key, candidates, factor, slack, placed)
     winner = next(c for c in candidates if c.name == chosen)
     total, weight = sum(c.load for c in candidates) + 1, sum(c.weight for c in candidates)
     # whole-number loads always leave a deployment within the bound
