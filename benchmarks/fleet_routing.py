@@ -253,10 +253,10 @@ def main() -> None:
     parser.add_argument("--load-factor", type=float, default=1.25, help="prefix_affinity's affinity.load_factor")
     parser.add_argument("--load-slack", type=int, default=1, help="prefix_affinity's affinity.load_slack")
     parser.add_argument("--no-two-gateways", dest="two_gateways", action="store_false")
-    parser.add_argument("--quick", action="store_true", help="4 replicas, 8 sessions x 3 turns (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="4 replicas, 6 sessions x 2 turns (a smoke run)")
     args = parser.parse_args()
     if args.quick:
-        args.replicas, args.sessions, args.turns = [4], 8, 3
+        args.replicas, args.sessions, args.turns = [4], 6, 2
     asyncio.run(main_async(args))
 
 

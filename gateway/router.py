@@ -37,7 +37,14 @@ from backends.base import Backend, Json
 from backends.retry_after import parse_retry_after
 from gateway.cooldowns import Cooldowns, ModelHealth
 from gateway.errors import BackendError, GatewayError, NotFoundError
-from gateway.routing_config import DeploymentConfig, ModelConfig, PricingConfig, RouterConfig, RoutingConfig
+from gateway.routing_config import (
+    DeploymentConfig,
+    ModelConfig,
+    PricingConfig,
+    RouterConfig,
+    RoutingConfig,
+    RoutingPolicy,
+)
 from gateway.routing_policies import ReplicaLoad, is_reachable, pick_by_policy, request_key
 
 __all__ = ["Deployment", "ModelRoute", "Router", "Target"]
@@ -77,15 +84,17 @@ class ModelRoute:
     deployments: list[Deployment] = field(default_factory=list)
     num_picks: int = 0  # `routing: round_robin`'s position
     placements: OrderedDict[bytes, str] = field(default_factory=OrderedDict)  # prefix_affinity: key -> deployment
+    # Read once here, so that the default policy costs a request one attribute test: None for `least_in_flight`.
+    policy: RoutingPolicy | None = field(init=False)
+    reads_replicas: bool = field(init=False)  # least_load, prefix_affinity: the replicas' own load (`metrics_url`)
+
+    def __post_init__(self) -> None:
+        self.policy = None if self.config.routing == "least_in_flight" else self.config.routing
+        self.reads_replicas = self.policy in ("least_load", "prefix_affinity")
 
     @property
     def id(self) -> str:
         return self.config.id
-
-    @property
-    def reads_replicas(self) -> bool:
-        """Whether its policy uses the replicas' own load (`metrics_url`): `least_load`, `prefix_affinity`."""
-        return self.config.routing in ("least_load", "prefix_affinity")
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +205,7 @@ class Router:
         client's `x-session-id`) key `routing: prefix_affinity`; other policies ignore them."""
         last_error: GatewayError | None = None
         for current in self._chain(target, may_use):
-            key = request_key(current.route.config, body, session_id)
+            key = None if current.route.policy is None else request_key(current.route.config, body, session_id)
             tried: set[str] = set()
             spent: set[str] = set()  # deployments this request must not try again (see `_NOT_AGAIN`)
             rate_limited: tuple[Deployment, float] | None = None  # the last 429's deployment, and the wait it asked
@@ -263,7 +272,7 @@ class Router:
         fresh = [d for d in available if d.name not in exclude] or available
         if len(fresh) == 1:
             return fresh[0]
-        if route.config.routing != "least_in_flight":
+        if route.policy is not None:
             return pick_by_policy(route, fresh, key, now, self.config.metrics_stale_s)
         best = min(d.num_in_flight / d.config.weight for d in fresh)
         ties = [d for d in fresh if d.num_in_flight / d.config.weight == best]
