@@ -144,6 +144,30 @@ async def test_each_keys_requests_share_the_engine_under_its_own_tenant_and_weig
         assert "" not in served and "master" not in served  # every token was served to a key
 
 
+async def test_a_teams_keys_share_the_teams_tenant_and_weight(gateway: str) -> None:
+    """Tenant = the team, else the key: two keys of one team are one tenant, with the team's weight."""
+    async with httpx.AsyncClient(base_url=gateway, timeout=120) as client:
+        await engine(client)
+        team = await client.post("/admin/teams", json={"name": "search", "weight": 2}, headers=ADMIN)
+        assert team.status_code in (200, 201), team.text
+        team_id = team.json()["id"]
+        _, first = await create_key(client, name="t1", team_id=team_id)
+        _, second = await create_key(client, name="t2", team_id=team_id, weight=5)  # (the team's weight applies)
+        solo_id, solo = await create_key(client, name="solo")
+        long = chat("tell me everything", max_tokens=3000, min_tokens=3000)
+        seen: dict[str, Any] = {}
+        async with running([drain(client, long, first), drain(client, long, second), drain(client, long, solo)]):
+            for _ in range(600):
+                stats = await engine(client)
+                waiting, active = stats["waiting_by_tenant"], stats["running_by_tenant"]
+                if set(waiting) | set(active) == {team_id, solo_id} and sum(waiting.values()) == 1:
+                    seen = stats
+                    break
+                await asyncio.sleep(0.05)
+    assert seen, "the engine never showed the team's and the solo key's sequences with one waiting"
+    assert seen["tenants"][team_id]["weight"] == 2.0 and seen["tenants"][solo_id]["weight"] == 1.0
+
+
 async def test_a_cut_cjk_stream_is_charged_the_engines_exact_counts(gateway: str) -> None:
     """Today's bug: a client that left after the first chunk was charged an estimate of the prompt (376 tokens for
     4,028 real ones with the bundled model; the tiny model's byte-level tokenizer counts about one per byte)."""
