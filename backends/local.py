@@ -9,7 +9,9 @@ The model loads in a background thread when the backend is built, so start-up is
 `health_state()` is "loading" and requests wait for the load up to `load_wait_s`, then get 503 `engine_loading`
 with a `Retry-After` (never a cooldown). Prompts are tokenized off the event loop, after a size check that refuses
 a prompt too long to ever fit. Closing a stream early aborts its engine requests, which frees their KV blocks
-within one step.
+within one step; the stream still reports what the engine counted until then (`usage_so_far`), which is what the
+gateway charges a client that left. Each call runs under its caller's tenancy (`backends.base.Tenancy`), by which
+the engine shares itself between tenants (local_engine/fair_share.py).
 
 Output limits (docs/coding-agents.md): a `max_tokens` that does not fit next to the prompt is lowered to the room
 left (`clamp_max_tokens`, on by default; the response says so, see `backends.base.MAX_TOKENS_CLAMPED_KEY`), and a
