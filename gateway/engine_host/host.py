@@ -218,5 +218,11 @@ def _counts(usage: Json | None) -> list[int]:
     """`[prompt, cached, generated]` tokens of a usage object (the local backend's), `[]` for none."""
     if usage is None:
         return []
-    details = usage.get("prompt_tokens_details") or {}
-    return [usage["prompt_tokens"], details.get("cached_tokens", 0), usage["completion_tokens"]]
+    details = usage.get("prompt_tokens_details")
+    counts = [
+        usage.get("prompt_tokens"),
+        details.get("cached_tokens", 0) if isinstance(details, dict) else 0,
+        usage.get("completion_tokens"),
+    ]
+    ints = [count for count in counts if type(count) is int]
+    return ints if len(ints) == 3 else []  # (never counts the protocol would refuse)

@@ -8,13 +8,13 @@ import asyncio
 import logging
 import stat
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from backends.base import Endpoint, HealthState, Json, OutputLimits
+from backends.base import Endpoint, HealthState, Json, MeteredStream, OutputLimits, Tenancy
 from backends.engine_protocol import (
     Abort,
     AddRequest,
@@ -229,3 +229,44 @@ async def test_shutdown_lets_calls_finish_within_its_grace_and_refuses_new_ones(
     assert host.num_calls() == 0
     with pytest.raises(OSError):
         await Worker.connect(path)
+
+
+class MeteredBackend(SlowBackend):
+    """Streams three chunks, counting as an engine would: the prompt's 40 tokens (8 cached), one token a chunk;
+    records the tenancy each call came with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tenancies: list[Any] = []
+
+    def stream(  # type: ignore[override]
+        self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Any = None, tenancy: Any = None
+    ) -> MeteredStream:
+        self.tenancies.append(tenancy)
+        counts = {"n": 0}
+
+        async def chunks() -> AsyncGenerator[Json, None]:
+            for index in range(3):
+                counts["n"] = index + 1
+                yield {"n": index}
+
+        def meter() -> Json:
+            usage = {"prompt_tokens": 40, "completion_tokens": counts["n"], "total_tokens": 40 + counts["n"]}
+            return {**usage, "prompt_tokens_details": {"cached_tokens": 8}}
+
+        return MeteredStream(chunks(), meter)
+
+
+async def test_an_add_runs_under_its_tenancy_and_each_output_carries_the_counts_so_far(tmp_path: Path) -> None:
+    backend = MeteredBackend()
+    host = EngineHost(backend)
+    await host.start(bind_owner_only(tmp_path / "engine.sock"))
+    try:
+        worker = await Worker.connect(tmp_path / "engine.sock")
+        worker.send(AddRequest.of(1, "r1", CHAT, True, {}, Tenancy("team-a", 2.0, "high")))
+        outputs = [await worker.next() for _ in range(3)]
+        assert await worker.next() == Finished(1)
+    finally:
+        await host.shutdown(0)
+    assert [o.counts for o in outputs] == [[40, 8, 1], [40, 8, 2], [40, 8, 3]]
+    assert backend.tenancies == [Tenancy("team-a", 2.0, "high")]
