@@ -239,7 +239,7 @@ class MeteredBackend(SlowBackend):
         super().__init__()
         self.tenancies: list[Any] = []
 
-    def stream(  # type: ignore[override]
+    def stream(
         self, endpoint: Endpoint, body: Json, *, request_id: str, headers: Any = None, tenancy: Any = None
     ) -> MeteredStream:
         self.tenancies.append(tenancy)
