@@ -6,9 +6,9 @@ the call it belongs to (an id the worker picks, unique on its connection), then 
 
     worker → host                                       host → worker
     ["add", id, request_id, endpoint, is_stream, body,  ["output", id, chunk, counts]  a stream's next chunk
-        tenant, weight, priority]
-    ["abort", id]                                       ["finished", id]            a stream's end
-    ["count_tokens", id, body]                          ["response", id, body]      an unstreamed call's answer
+     tenant, weight, priority]
+    ["abort", id]                                       ["finished", id]               a stream's end
+    ["count_tokens", id, body]                          ["response", id, body]         an unstreamed call's answer
     ["get_state", id]                                   ["num_tokens", id, n]
                                                         ["state", id, pid, state, context_length, stats]
                                                         ["failed", id, error, status, code, message, param, headers]
