@@ -24,8 +24,8 @@ models:
     affinity:                    # optional, for `routing: prefix_affinity`; these are the defaults
       block_chars: 256           # the request's leading text is hashed in blocks of this many characters
       max_blocks: 64             # at most this many leading blocks make the key
-      load_factor: 1.25          # bounded load: no deployment takes more than this times the mean load
-      load_slack: 1              # ... plus this many requests (keeps affinity while the fleet is nearly idle)
+      load_factor: 1.5           # bounded load: no deployment takes more than this times the mean load
+      load_slack: 0              # ... plus this many requests
       session_keys: true         # x-session-id, prompt_cache_key, user, metadata.user_id key the request when sent
     pricing:                     # optional: price per million tokens, charged to keys' spend (budget_usd)
       input_per_mtok: 0.15
@@ -238,8 +238,8 @@ class AffinityConfig(BaseModel):
 
     block_chars: int = Field(default=256, ge=16, le=65536)
     max_blocks: int = Field(default=64, ge=1, le=4096)
-    load_factor: float = Field(default=1.25, ge=1.0, le=100.0)  # consistent hashing with bounded loads' `c`
-    load_slack: int = Field(default=1, ge=0, le=10_000)  # requests a deployment may take above that bound
+    load_factor: float = Field(default=1.5, ge=1.0, le=100.0)  # consistent hashing with bounded loads' `c`
+    load_slack: int = Field(default=0, ge=0, le=10_000)  # requests a deployment may take above that bound
     session_keys: bool = True
 
 

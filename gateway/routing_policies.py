@@ -9,8 +9,9 @@
 - `prefix_affinity`: consistent hashing with bounded loads over the request's affinity key (gateway/prefix_hash.py).
   The deployments are ranked by weighted rendezvous hashing of the key (the same order on every gateway instance,
   and adding or removing one deployment moves only the keys it wins or held); the request goes to the first in that
-  order whose load, with this request, stays within `load_factor` times its weighted share of the total load plus
-  `load_slack` requests (`choose_bounded`). A hot key therefore spills to its second choice, the same one everywhere.
+  order whose load, with this request, stays within `load_factor` times its weighted share of the total load (at
+  least one request per deployment) plus `load_slack` requests (`choose_bounded`). A hot key therefore spills to its
+  second choice, the same one everywhere.
   Each gateway remembers where it last sent a key (`ModelRoute.placements`, the `MAX_PLACEMENTS` most recent) and
   sends it there again while that deployment is within the bound, so a conversation that spilled stays where its
   prefix now is instead of moving back and forth with the load. Loads are `least_load`'s.
@@ -146,12 +147,12 @@ def choose_bounded(
     placed: str | None = None,
 ) -> str:
     """Consistent hashing with bounded loads: the first deployment in `key`'s rendezvous order whose load with this
-    request fits `ceil(load_factor × (total load + 1) × weight / total weight) + load_slack` — `placed` (where the
-    key went last) first when it fits. Whole-number loads always leave one that fits; fractional ones (gauges) may
-    not, and then the least loaded per unit of weight takes it. `load_slack` keeps a conversation where its cache
-    is while the fleet is nearly idle (one request in flight is already over `load_factor` times a mean of a
-    quarter)."""
-    total_load = sum(c.load for c in candidates) + 1.0
+    request fits `ceil(load_factor × max(total load + 1, number of deployments) × weight / total weight) +
+    load_slack` — `placed` (where the key went last) first when it fits. A fleet with fewer requests than
+    deployments counts as having one per deployment, so a nearly idle fleet keeps conversations where their cache
+    is (one request in flight is otherwise over the bound of a mean of a quarter). Whole-number loads always leave
+    one that fits; fractional ones (gauges) may not, and then the least loaded per unit of weight takes it."""
+    total_load = max(sum(c.load for c in candidates) + 1.0, float(len(candidates)))
     total_weight = sum(c.weight for c in candidates)
     ranked = rendezvous_order(key, candidates)
     ranked.sort(key=lambda c: c.name != placed)  # stable: `placed` first, the others in rendezvous order

@@ -19,7 +19,7 @@ candidates_strategy = st.lists(
 def reference(key: bytes, candidates: list[Candidate], factor: float, slack: int, placed: str | None) -> str:
     """The definition, spelled out: the last placement, then the others ranked by hash; the first whose load with
     this request fits its share wins."""
-    total, weight = sum(c.load for c in candidates) + 1, sum(c.weight for c in candidates)
+    total, weight = max(sum(c.load for c in candidates) + 1, len(candidates)), sum(c.weight for c in candidates)
     ranked = [c for c in candidates if c.name == placed] + [
         c for c in rendezvous_order(key, candidates) if c.name != placed
     ]
@@ -41,7 +41,7 @@ def test_bounded_choice_matches_the_reference_and_respects_the_bound(
     chosen = choose_bounded(key, candidates, factor, slack, placed)
     assert chosen == reference(key, candidates, factor, slack, placed)
     winner = next(c for c in candidates if c.name == chosen)
-    total, weight = sum(c.load for c in candidates) + 1, sum(c.weight for c in candidates)
+    total, weight = max(sum(c.load for c in candidates) + 1, len(candidates)), sum(c.weight for c in candidates)
     # whole-number loads always leave a deployment within the bound
     bound = math.ceil(factor * total * winner.weight / weight - 1e-9) + slack
     assert winner.load + 1 <= bound or factor * total < 1 + 1e-6
