@@ -59,14 +59,17 @@ async def b_ttfts(engine: LLMEngine, num_a: int, a_tokens: int, num_b: int, dela
     return ttfts
 
 
-def throughput(engine: LLMEngine, num: int, tokens: int) -> float:
-    """One tenant, `num` requests at once: output tokens/s."""
+def throughput(engine: LLMEngine, num: int, tokens: int, cpu_rates: list[float] | None = None) -> float:
+    """One tenant, `num` requests at once: output tokens/s (and, into `cpu_rates`, output tokens per CPU-second of
+    this process, which other work on a shared host moves much less than the wall clock)."""
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     for i in range(num):
         engine.add_request(f"t{i}", prompt(i), params)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     while engine.has_unfinished_requests:
         engine.step()
+    if cpu_rates is not None:
+        cpu_rates.append(num * tokens / (time.process_time() - cpu_started))
     return num * tokens / (time.perf_counter() - started)
 
 
@@ -117,7 +120,10 @@ def main() -> None:
         "--parts", default="burst,alone,shares", help="which parts to run, comma-separated (burst, alone, shares)"
     )
     parser.add_argument("--rounds", type=int, help="alternating fair/FCFS rounds of the one-tenant part")
+    parser.add_argument("--threads", type=int, help="torch's CPU threads (fewer swing less on a shared host)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     parts = set(args.parts.split(","))
     num_a, num_b, delay_s, num_steps, rounds = (60, 4, 0.5, 40, 1) if args.quick else (200, 12, 2.0, 240, 2)
     rounds = args.rounds or rounds
@@ -139,16 +145,21 @@ def main() -> None:
         print(f"B beside {seats} running A streams (no queue): p50 {statistics.median(beside):.2f}s")
     if "alone" in parts:
         rates: dict[bool, list[float]] = {True: [], False: []}
+        cpu_rates: dict[bool, list[float]] = {True: [], False: []}
         for round_index in range(rounds):  # FCFS first, then fair first, ... (a run's place must not favour it)
             for is_fair in (False, True) if round_index % 2 == 0 else (True, False):
                 engine.scheduler.is_fair = is_fair
-                rates[is_fair].append(throughput(engine, seats, 64))
+                rates[is_fair].append(throughput(engine, seats, 64, cpu_rates[is_fair]))
         fair, fcfs = max(rates[True]), max(rates[False])
         print(f"one tenant: fair {fair:.1f} tok/s, FCFS {fcfs:.1f} tok/s ({fair / fcfs - 1:+.1%}), best of {rounds}")
         fair, fcfs = statistics.median(rates[True]), statistics.median(rates[False])
         print(f"  medians: fair {fair:.1f} tok/s, FCFS {fcfs:.1f} tok/s ({fair / fcfs - 1:+.1%})")
         pairs = zip(rates[False], rates[True], strict=True)
         print(f"  rounds (FCFS, fair): {[(round(a, 1), round(b, 1)) for a, b in pairs]}")
+        fair, fcfs = statistics.median(cpu_rates[True]), statistics.median(cpu_rates[False])
+        print(f"  per CPU-second, medians: fair {fair:.1f} tok, FCFS {fcfs:.1f} tok ({fair / fcfs - 1:+.1%})")
+        pairs = zip(cpu_rates[False], cpu_rates[True], strict=True)
+        print(f"  rounds per CPU-second (FCFS, fair): {[(round(a, 1), round(b, 1)) for a, b in pairs]}")
         # What fairness itself costs per step, without the model's run-to-run swing: the scheduler alone.
         costs = {is_fair: min(scheduling_s(seats, 64, is_fair=is_fair) for _ in range(5)) for is_fair in (False, True)}
         (fcfs_s, num_steps), (fair_s, _) = costs[False], costs[True]
