@@ -144,6 +144,30 @@ async def test_each_keys_requests_share_the_engine_under_its_own_tenant_and_weig
         assert "" not in served and "master" not in served  # every token was served to a key
 
 
+async def test_a_burst_of_one_key_does_not_hold_another_keys_request_behind_it(gateway: str) -> None:
+    """Today's bug (the burst): every gateway request was the same tenant to the engine, so B's short request
+    waited behind all of A's queued streams. Now B is seated at once: it finishes while none of A's streams has."""
+    async with httpx.AsyncClient(base_url=gateway, timeout=120) as client:
+        await engine(client)
+        _, a = await create_key(client, name="a")
+        _, b = await create_key(client, name="b")
+        started = asyncio.Event()
+
+        async def a_stream() -> None:
+            body = chat("a long answer", max_tokens=400, min_tokens=400, stream=True)
+            async with client.stream("POST", "/v1/chat/completions", json=body, headers=a) as response:
+                assert response.status_code == 200
+                async for _ in response.aiter_bytes():
+                    started.set()
+
+        async with running([a_stream() for _ in range(10)]) as tasks:  # two seats: eight of A's wait
+            await started.wait()
+            await drain(client, chat("short", max_tokens=4, stream=True), b)
+            num_a_done = sum(task.done() for task in tasks)
+            assert not any(task.done() and task.exception() for task in tasks)
+    assert num_a_done == 0  # first come, first served: B would have waited for eight of A's streams to end
+
+
 async def test_a_teams_keys_share_the_teams_tenant_and_weight(gateway: str) -> None:
     """Tenant = the team, else the key: two keys of one team are one tenant, with the team's weight."""
     async with httpx.AsyncClient(base_url=gateway, timeout=120) as client:
