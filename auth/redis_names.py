@@ -11,6 +11,9 @@ wake-up list) build it from a `*_prefix` below, which carries the same tag.
     ug:{<id>}:tpm                    zset    sliding token log: member "<request id>|<tokens>", score time (ms)
     ug:{<id>}:tpm_sum                string  tokens currently in ug:{<id>}:tpm
     ug:{<id>}:leases                 zset    concurrency leases: member request id, score expiry (ms)
+    ug:{<id>}:holds                  zset    budget holds of requests in flight: member "<request id>|<tokens>|
+                                             <micros>", score expiry (ms)
+    ug:{<id>}:holds_sum              hash    what the holds hold in all: "tokens", "micros"
     ug:{<id>}:settled:<request id>   string  settle idempotency marker
     ug:{<id>}:usage:<YYYY-MM-DD>     hash    "<model>|requests|prompt_tokens|completion_tokens" for one UTC day
     ug:{<id>}:usage_days             zset    days with usage (member date, score day number)
@@ -18,7 +21,7 @@ wake-up list) build it from a `*_prefix` below, which carries the same tag.
     ug:teams                         zset    team ids scored by creation sequence, for listing
     ug:{team:<id>}:team              hash    the team record (same limit and counter fields as a key record)
     ug:{team:<id>}:members           set     ids of the team's keys
-    ug:{team:<id>}:<rpm|tpm|tpm_sum|leases|holds|settled:<rid>|usage:<day>|usage_days|usage_total>
+    ug:{team:<id>}:<rpm|tpm|tpm_sum|leases|holds|holds_sum|settled:<rid>|usage:<day>|usage_days|usage_total>
                                              the team's own state, named as a key's under its tag: every
                                              `key_*(state_id)` below takes `team_state_id(<id>)` = "team:<id>"
     ug:{up:<deployment>}:leases      zset    upstream in-flight leases: member lease id, score expiry (ms)
@@ -65,6 +68,7 @@ __all__ = [
     "health_probe",
     "key_hash_name",
     "key_holds",
+    "key_holds_sum",
     "key_leases",
     "key_prefix",
     "key_record",
@@ -161,6 +165,11 @@ def key_leases(key_id: str) -> str:
 def key_holds(key_id: str) -> str:
     """Budget reservations of the key's requests in flight (a team can hold the same zset under its own tag)."""
     return key_prefix(key_id) + "holds"
+
+
+def key_holds_sum(key_id: str) -> str:
+    """What the key's holds hold in all (fields "tokens", "micros"), kept with them by the scripts."""
+    return key_prefix(key_id) + "holds_sum"
 
 
 def key_settled(key_id: str, request_id: str) -> str:

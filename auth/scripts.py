@@ -314,6 +314,7 @@ def _admit_keys_and_args(
         redis_names.key_tpm_sum(state_id),
         redis_names.key_leases(state_id),
         redis_names.key_holds(state_id),
+        redis_names.key_holds_sum(state_id),
     )
     version = "" if cached_version is None else str(cached_version)
     args: list[EncodableT] = [key_hash, model, clamp_tokens(estimated_tokens), request_id, lease_ttl_ms, window_ms]
@@ -412,6 +413,7 @@ async def cancel_admission(
         redis_names.key_tpm_sum(state_id),
         redis_names.key_leases(state_id),
         redis_names.key_holds(state_id),
+        redis_names.key_holds_sum(state_id),
     )
     hold = f"{request_id}|{clamp_tokens(budget_tokens)}|{clamp_micros(reserved_micros)}"
     return int(await scripts.cancel(redis, keys, (request_id, clamp_tokens(reserved_tokens), hold)))
@@ -467,6 +469,7 @@ def _settle_keys_and_args(
         redis_names.key_usage_total(key_id),
         redis_names.key_usage_days(key_id),
         redis_names.key_holds(key_id),
+        redis_names.key_holds_sum(key_id),
     ]
     args: list[EncodableT] = [redis_names.key_prefix(key_id), window_ms, marker_ttl_ms, usage_retention_s]
     for item in items:

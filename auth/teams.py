@@ -281,6 +281,7 @@ class TeamStore:
                     redis_names.key_tpm_sum,
                     redis_names.key_leases,
                     redis_names.key_holds,
+                    redis_names.key_holds_sum,
                     redis_names.key_usage_days,
                     redis_names.key_usage_total,
                 )

@@ -9,6 +9,9 @@
 -- KEYS[5]  ug:{id}:leases    zset   concurrency leases: member request id, score expiry (ms)
 -- KEYS[6]  ug:{id}:holds     zset   budget reservations of requests in flight: member
 --                                   "<request id>|<tokens>|<micros>", score expiry (ms)
+-- KEYS[7]  ug:{id}:holds_sum hash   what KEYS[6] holds in all: fields "tokens", "micros" (kept by every script
+--                                   that adds or removes a hold, so admission reads two numbers instead of
+--                                   summing every request in flight: a team's holds are all its keys' requests)
 -- ARGV[1]  hex SHA-256 of the presented secret (must equal the record's key_hash: a rotated key stops here); ""
 --          for a team (its record has no secret, no revocation and no expiry, so those checks pass by themselves)
 -- ARGV[2]  model id
@@ -49,7 +52,7 @@
 local record_key, rpm_key, tpm_key, tpm_sum_key, leases_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local key_hash, model, estimate, request_id = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local lease_ttl, window, cached_version = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
-local holds_key, budget_tokens = KEYS[6], tonumber(ARGV[8]) or 0
+local holds_key, held_key, budget_tokens = KEYS[6], KEYS[7], tonumber(ARGV[8]) or 0
 
 local fields = redis.call('HMGET', record_key, 'key_hash', 'revoked', 'expires_at', 'models', 'rpm', 'tpm',
   'max_concurrent', 'token_budget', 'budget_period', 'period_key', 'period_spent', 'tokens_spent', 'version',
@@ -83,6 +86,12 @@ end
 -- A token count from a log member "<request id>|<tokens>" (0 for anything unreadable, never an error).
 local function member_tokens(member)
   return tonumber(string.match(member, '|([^|]*)$')) or 0
+end
+
+-- The tokens and micros of a hold "<request id>|<tokens>|<micros>" (0 for anything unreadable).
+local function hold_of(member)
+  local tokens, micros = string.match(member, '|([^|]*)|([^|]*)$')
+  return tonumber(tokens) or 0, tonumber(micros) or 0
 end
 
 if fields[2] == '1' then return reject('key_revoked', 0) end
@@ -121,11 +130,34 @@ if budget >= 0 or budget_micros >= 0 then
     local micros = tonumber(ARGV[i + 1]) or 0
     if micros > hold_micros and (i == 9 or may_use(ARGV[i])) then hold_micros = micros end
   end
-  redis.call('ZREMRANGEBYSCORE', holds_key, '-inf', now)
-  local held, held_micros = 0, 0
-  for _, member in ipairs(redis.call('ZRANGE', holds_key, 0, -1)) do
-    local tokens, micros = string.match(member, '|([^|]*)|([^|]*)$')
-    held, held_micros = held + (tonumber(tokens) or 0), held_micros + (tonumber(micros) or 0)
+  -- What requests in flight hold: the running sums, less the holds that expired (dropped now). Sums that are
+  -- missing while holds exist (lost, or never written) are rebuilt from the holds, once.
+  local sums = redis.call('HMGET', held_key, 'tokens', 'micros')
+  local held, held_micros = tonumber(sums[1]), tonumber(sums[2])
+  if held == nil or held_micros == nil then
+    held, held_micros = 0, 0
+    for _, member in ipairs(redis.call('ZRANGE', holds_key, 0, -1)) do
+      local tokens, micros = hold_of(member)
+      held, held_micros = held + tokens, held_micros + micros
+    end
+  end
+  local expired = redis.call('ZRANGEBYSCORE', holds_key, '-inf', now)
+  if #expired > 0 then
+    for _, member in ipairs(expired) do
+      local tokens, micros = hold_of(member)
+      held, held_micros = held - tokens, held_micros - micros
+    end
+    redis.call('ZREMRANGEBYSCORE', holds_key, '-inf', now)
+  end
+  held, held_micros = math.max(held, 0), math.max(held_micros, 0)
+  if (tonumber(sums[1]) or 0) ~= held or (tonumber(sums[2]) or 0) ~= held_micros then
+    local ttl = redis.call('PTTL', holds_key)
+    if ttl == -2 then  -- no hold left: nothing is held
+      redis.call('DEL', held_key)
+    else
+      redis.call('HSET', held_key, 'tokens', string.format('%d', held), 'micros', string.format('%d', held_micros))
+      if ttl > 0 then redis.call('PEXPIRE', held_key, ttl) end
+    end
   end
   -- A budget already reached refuses even a request that holds nothing (an unpriced model costs 0).
   if budget >= 0 and (spent >= budget or spent + held + budget_tokens > budget) then
@@ -234,7 +266,11 @@ if max_concurrent >= 0 then
 end
 if hold_member then
   redis.call('ZADD', holds_key, now + lease_ttl, hold_member)
+  redis.call('HINCRBY', held_key, 'tokens', string.format('%d', budget_tokens))
+  redis.call('HINCRBY', held_key, 'micros', string.format('%d', hold_micros))
+  -- The sums live exactly as long as the holds (every hold expires by then).
   redis.call('PEXPIRE', holds_key, lease_ttl)
+  redis.call('PEXPIRE', held_key, lease_ttl)
 end
 
 local rpm_remaining, tpm_remaining = -1, -1

@@ -6,6 +6,7 @@
 -- KEYS[3]  ug:{id}:tpm_sum   string  tokens in KEYS[2]
 -- KEYS[4]  ug:{id}:leases    zset    concurrency leases (member request id)
 -- KEYS[5]  ug:{id}:holds     zset    budget holds (member "<request id>|<tokens>|<micros>")
+-- KEYS[6]  ug:{id}:holds_sum hash    what KEYS[5] holds in all ("tokens", "micros"; admit_request.lua)
 -- ARGV[1]  request id
 -- ARGV[2]  tokens reserved at admission (the token log member's count)
 -- ARGV[3]  the budget hold's member
@@ -13,11 +14,18 @@
 -- Returns how many entries it removed (0: the admission had taken nothing, or was cancelled already). Every
 -- removal is of this request's own members, so a repeated call changes nothing.
 
-local rpm_key, tpm_key, tpm_sum_key, leases_key, holds_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local rpm_key, tpm_key, tpm_sum_key, leases_key, holds_key, held_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5],
+  KEYS[6]
 local request_id, reserved, hold_member = ARGV[1], tonumber(ARGV[2]) or 0, ARGV[3]
 
 local removed = redis.call('ZREM', rpm_key, request_id) + redis.call('ZREM', leases_key, request_id)
-removed = removed + redis.call('ZREM', holds_key, hold_member)
+if redis.call('ZREM', holds_key, hold_member) == 1 then
+  removed = removed + 1
+  local tokens, micros = string.match(hold_member, '|([^|]*)|([^|]*)$')
+  local left = redis.call('HINCRBY', held_key, 'tokens', string.format('%d', -(tonumber(tokens) or 0)))
+  local left_micros = redis.call('HINCRBY', held_key, 'micros', string.format('%d', -(tonumber(micros) or 0)))
+  if left < 0 or left_micros < 0 then redis.call('DEL', held_key) end  -- never below 0 (rebuilt at the next admit)
+end
 if redis.call('ZREM', tpm_key, request_id .. '|' .. string.format('%d', reserved)) == 1 then
   removed = removed + 1
   if redis.call('DECRBY', tpm_sum_key, string.format('%d', reserved)) < 0 then redis.call('SET', tpm_sum_key, 0) end

@@ -11,7 +11,8 @@
 -- KEYS[5]  ug:{id}:usage_total         hash    lifetime "<model>|<counter>"
 -- KEYS[6]  ug:{id}:usage_days          zset    days with usage
 -- KEYS[7]  ug:{id}:holds               zset    budget reservations of requests in flight
--- KEYS[7+i] ug:{id}:settled:<request>  string  idempotency marker of the i-th request
+-- KEYS[8]  ug:{id}:holds_sum           hash    what KEYS[7] holds in all ("tokens", "micros"; admit_request.lua)
+-- KEYS[8+i] ug:{id}:settled:<request>  string  idempotency marker of the i-th request
 -- ARGV[1]  the key's name prefix "ug:{id}:" (the per-day usage hash "ug:{id}:usage:<YYYY-MM-DD>" is built from it,
 --          so it shares the hash tag and slot of KEYS[*])
 -- ARGV[2]  rate window (ms)
@@ -33,7 +34,7 @@
 -- below 2^50 and written as integers, so a Lua number never reaches a member as "1e+15".
 
 local record_key, tpm_key, tpm_sum_key, leases_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local total_key, days_key, holds_key = KEYS[5], KEYS[6], KEYS[7]
+local total_key, days_key, holds_key, held_key = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local name_prefix, window, marker_ttl, retention = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 
 local MAX_COUNT = 1125899906842624  -- 2^50: exact in a Lua double, far above any real usage
@@ -56,27 +57,31 @@ local function int(n) return string.format('%d', n) end
 local now = now_ms()
 local settled = {}
 if string.find(name_prefix, '{team:', 1, true) and redis.call('EXISTS', record_key) == 0 then
-  for i = 1, #KEYS - 7 do settled[i] = 0 end
+  for i = 1, #KEYS - 8 do settled[i] = 0 end
   return settled
 end
 local tpm_limit = nil  -- read once, only when a charge lands after its reservation left the window
 local tpm_delta, tpm_touched = 0, false
 local sum_prompt, sum_completion, sum_cost, num_settled = 0, 0, 0, 0
+local freed, freed_micros = 0, 0  -- the holds this call removed (their sums leave KEYS[8])
 local by_model, models = {}, {}
 
-for i = 1, #KEYS - 7 do
+for i = 1, #KEYS - 8 do
   local base = 5 + (i - 1) * 9
   local request_id, reserved = ARGV[base], count_of(ARGV[base + 1])
   local prompt_tokens, completion_tokens = count_of(ARGV[base + 2]), count_of(ARGV[base + 3])
   local model, cost, is_priced = ARGV[base + 4], count_of(ARGV[base + 5]), ARGV[base + 6] == '1'
   local is_estimated = ARGV[base + 8] == '1'
-  if not redis.call('SET', KEYS[7 + i], '1', 'NX', 'PX', marker_ttl) then
+  if not redis.call('SET', KEYS[8 + i], '1', 'NX', 'PX', marker_ttl) then
     settled[i] = 0
   else
     settled[i] = 1
     local used = prompt_tokens + completion_tokens
     redis.call('ZREM', leases_key, request_id)
-    redis.call('ZREM', holds_key, ARGV[base + 7])
+    if redis.call('ZREM', holds_key, ARGV[base + 7]) == 1 then  -- (an expired hold was dropped with its sum)
+      local tokens, micros = string.match(ARGV[base + 7], '|([^|]*)|([^|]*)$')
+      freed, freed_micros = freed + (tonumber(tokens) or 0), freed_micros + (tonumber(micros) or 0)
+    end
     local reserved_member = request_id .. '|' .. int(reserved)
     local score = redis.call('ZSCORE', tpm_key, reserved_member)
     if score and tonumber(score) > now - window then
@@ -110,6 +115,12 @@ for i = 1, #KEYS - 7 do
 end
 
 if num_settled == 0 then return settled end
+
+if freed > 0 or freed_micros > 0 then
+  local left = tonumber(redis.call('HINCRBY', held_key, 'tokens', int(-freed)))
+  local left_micros = tonumber(redis.call('HINCRBY', held_key, 'micros', int(-freed_micros)))
+  if left < 0 or left_micros < 0 then redis.call('DEL', held_key) end  -- never below 0 (rebuilt at the next admit)
+end
 
 if tpm_touched then
   if tpm_delta ~= 0 then

@@ -645,6 +645,13 @@ class AccountingMachine(RuleBasedStateMachine):
         assert {m.decode() for m, expiry in holds if expiry > now} == {
             member for member, (expiry, _, _) in key.holds.items() if expiry > now
         }
+        # Admission reads what the holds hold in all from their running sums, never from the holds themselves.
+        sums = await redis.hmget(redis_names.key_holds_sum(key.id), "tokens", "micros")
+        in_holds = [m.decode().split("|")[-2:] for m, _ in holds]
+        assert (int(sums[0] or 0), int(sums[1] or 0)) == (
+            sum(int(tokens) for tokens, _ in in_holds),
+            sum(int(micros) for _, micros in in_holds),
+        ), "the holds' sums drifted from the holds"
         if key.is_budget_fixed and key.budget_period == "total":
             # The guarantee: spend ≤ budget, plus what requests charged above their holds.
             if key.token_budget is not None:
