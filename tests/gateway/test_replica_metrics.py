@@ -79,7 +79,7 @@ async def test_the_key_goes_only_to_the_upstreams_own_origin(metrics_server: tup
         await poller.poll_once()
     finally:
         await poller.stop()
-    assert sorted(seen, key=str) == [None, "Bearer sk-up"]
+    assert sorted(seen, key=str) == ["Bearer sk-up", None]
     for deployment in router.deployments:
         assert (deployment.replica.num_running, deployment.replica.num_waiting) == (5.0, 4.0)
         assert deployment.replica.read_at == 50.0
