@@ -19,9 +19,9 @@ Each replica models what makes routing matter, with every parameter in `SimParam
   `vllm:prefix_cache_hits_total` (tokens).
 
 Time is simulated by sleeping: `time_scale` < 1 runs the same schedule faster (every duration times the scale), so
-16 replicas fit in one process on 2 cores. The defaults are those of a 7-8B model on one H100-class GPU under vLLM
-(~20k prefill tokens/s, a ~12 ms decode step growing ~0.3 ms per running request, 64k tokens of prefix cache); the
-bundled engine on CPU has the same shape, its prefill ~1,000× slower (benchmarks/RESULTS.md).
+16 replicas fit in one process on 2 cores. The defaults stand for a 7-8B model on one H100-class GPU under vLLM
+(~20k prefill tokens/s, a ~12 ms decode step growing ~0.3 ms per running request, 64k tokens of prefix cache), set
+by hand from those engines' published figures, not measured here; change them in one place, `SimParams`.
 Run standalone: `python tests/fakes/replica_sim.py --replicas 4 --port 9100` (ports 9100, 9101, ...).
 """
 
