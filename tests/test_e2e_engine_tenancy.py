@@ -135,7 +135,7 @@ async def test_each_keys_requests_share_the_engine_under_its_own_tenant_and_weig
         assert sum(seen["running_by_tenant"].values()) == 2
         tenants = seen["tenants"]
         assert tenants[a_id]["weight"] == 3.0 and tenants[b_id]["weight"] == 1.0  # the key's weight reached it
-        for _ in range(100):  # (through the engine host, its next poll brings the last tokens in)
+        for _ in range(600):  # (through the engine host, its next poll brings the last tokens in)
             served = (await engine(client))["tenants"]
             if served[a_id]["served_tokens"] > 0 and served[b_id]["served_tokens"] > 0:
                 break
@@ -154,7 +154,7 @@ async def test_a_burst_of_one_key_does_not_hold_another_keys_request_behind_it(g
         started = asyncio.Event()
 
         async def a_stream() -> None:
-            body = chat("a long answer", max_tokens=400, min_tokens=400, stream=True)
+            body = chat("a long answer", max_tokens=2000, min_tokens=2000, stream=True)
             async with client.stream("POST", "/v1/chat/completions", json=body, headers=a) as response:
                 assert response.status_code == 200
                 async for _ in response.aiter_bytes():
@@ -209,13 +209,13 @@ async def test_a_cut_cjk_stream_is_charged_the_engines_exact_counts(gateway: str
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
                     break  # the first chunk: the client leaves
-        for _ in range(100):  # the settle lands just after the stream closed
+        for _ in range(600):  # the settle lands just after the stream closed
             record = (await client.get(f"/admin/keys/{key_id}", headers=ADMIN)).json()
             if record["num_requests"]:
                 break
             await asyncio.sleep(0.1)
         usage = (await client.get(f"/admin/keys/{key_id}/usage", headers=ADMIN)).json()["data"]
-        for _ in range(100):  # (through the engine host: once its next poll came)
+        for _ in range(600):  # (through the engine host: once its next poll came)
             if (hit_rate := (await engine(client))["prefix_cache_hit_rate"]) > 0:
                 break
             await asyncio.sleep(0.1)
@@ -246,7 +246,7 @@ async def test_a_client_that_leaves_an_upstream_stream_early_is_charged_an_estim
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
                     break
-        for _ in range(100):
+        for _ in range(600):
             record = (await client.get(f"/admin/keys/{key_id}", headers=ADMIN)).json()
             if record["num_requests"]:
                 break
