@@ -29,7 +29,12 @@ def encode_command(args: tuple[EncodableT, ...]) -> bytes:
     request (memoryview chunking, per-argument checks); the arguments here are short ids and numbers."""
     parts = [b"*%d\r\n" % len(args)]
     for arg in args:
-        if isinstance(arg, bytes):
+        # Exact types first (a settle batch has hundreds of arguments); bool is not int here.
+        if type(arg) is str:
+            data = arg.encode()
+        elif type(arg) is int:
+            data = b"%d" % arg
+        elif isinstance(arg, bytes):
             data = arg
         elif isinstance(arg, str):
             data = arg.encode()
