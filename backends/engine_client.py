@@ -26,10 +26,11 @@ import contextlib
 import itertools
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from backends.base import Endpoint, HealthState, Json, MeteredStream, OutputLimits, Tenancy
+from backends.config import LocalModelOptions
 from backends.engine_protocol import (
     Abort,
     AddRequest,
@@ -62,13 +63,14 @@ _READ_BYTES = 2**16
 
 @dataclass(frozen=True, slots=True)
 class EngineClientConfig:
-    """One `type: local` deployment served by an engine process. The output-limit fields are the deployment's,
-    as the engine process applies them (`backends.local.LocalBackendConfig`)."""
+    """One `type: local` deployment served by an engine process. `model` and `clamp_max_tokens` are the
+    deployment's, as the engine process applies them (`backends.local.LocalBackendConfig`); of the model's options
+    the client reads the output limit."""
 
     name: str  # the deployment's stable name (metrics, cooldowns, leases)
     socket_path: str  # the engine host's Unix socket
+    model: LocalModelOptions = field(default_factory=LocalModelOptions)
     clamp_max_tokens: bool = True
-    default_max_tokens: int | None = 1024  # None or 0 = none
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0  # one read from the engine (a long prefill sends nothing meanwhile)
     max_connections: int = 100  # open to the engine at once; a call beyond waits for one to end
@@ -201,7 +203,9 @@ class EngineClient:
     def output_limits(self) -> OutputLimits:
         """The engine's context length (None until it answered with its model loaded), the deployment's clamp and
         default output limit."""
-        return OutputLimits(self._context_length, self.config.clamp_max_tokens, self.config.default_max_tokens or None)
+        return OutputLimits(
+            self._context_length, self.config.clamp_max_tokens, self.config.model.default_max_tokens or None
+        )
 
     async def check_health(self) -> bool:
         return self.health_state() == "up"

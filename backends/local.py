@@ -2,8 +2,8 @@
 
 This module adapts the engine (loading, health, stats, output limits); the OpenAI request and response shapes are
 in `backends.local_mapping`, which also translates the engine's errors (`local_engine.errors`) into `gateway.errors`
-at one point, `engine_errors`. It takes its configuration as plain values (`LocalBackendConfig`), built by the
-gateway from the routing entry and the settings.
+at one point, `engine_errors`. It takes its configuration as `LocalBackendConfig` (the model's options whole, as
+`backends.config.LocalEngineOptions`), built by the gateway from the routing entry and the settings.
 
 The model loads in a background thread when the backend is built, so start-up is not blocked. Meanwhile
 `health_state()` is "loading" and requests wait for the load up to `load_wait_s`, then get 503 `engine_loading`
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from backends.base import Endpoint, HealthState, Json, MeteredStream, OutputLimits, Tenancy
+from backends.config import LocalEngineOptions
 from backends.local_mapping import (
     NATIVE_ENDPOINTS,
     ParsedRequest,
@@ -64,23 +65,20 @@ ENGINE_LOADING_RETRY_AFTER_S = 5
 
 @dataclass(frozen=True)
 class LocalBackendConfig:
-    """One `type: local` deployment as plain values. The gateway builds it from the routing entry and its settings;
-    the defaults are the gateway's, for tests and scripts that build a backend by hand."""
+    """One `type: local` deployment. The gateway builds it from the routing entry and its settings; the defaults
+    are the gateway's, for tests and scripts that build a backend by hand. The model's options come whole, as
+    `engine` (`backends.config.LocalEngineOptions`: the checkpoint, the engine's run options, the output limit and
+    sampling defaults, `load_wait_s`), declared there once."""
 
     name: str  # the deployment's stable name (metrics, cooldowns, leases)
     model_id: str  # the public model id responses name when the request sets no `model`
     cache_dir: Path  # converted weights are cached here (the gateway: `<data_dir>/models`)
-    model_path: str | None = None  # HF directory or GGUF file; None = the bundled SmolLM2-135M-Instruct
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    load_wait_s: float = 30.0  # a request waits this long for a loading model, then gets 503 engine_loading
+    engine: LocalEngineOptions = field(default_factory=LocalEngineOptions)
     clamp_max_tokens: bool = True  # lower a max_tokens that does not fit next to the prompt to the room left
-    default_max_tokens: int | None = 1024  # the output limit of a request that sets none; None or 0 = none
-    # sampling for requests that leave those fields out; None = the model's own (`loader.model_sampling_defaults`)
-    sampling_defaults: Mapping[str, float] | None = None
 
 
 def load_engine(config: LocalBackendConfig) -> AsyncEngine:
-    """(loader thread) The checkpoint at `config.model_path` (or the bundled model) served by a new engine."""
+    """(loader thread) The checkpoint at `config.engine.model_path` (or the bundled model) served by a new engine."""
     import torch
 
     from local_engine.async_engine import AsyncEngine
@@ -88,26 +86,27 @@ def load_engine(config: LocalBackendConfig) -> AsyncEngine:
     from local_engine.loader import bundled_model_path, load_checkpoint
     from local_engine.model_runner import TORCH_DTYPES
 
-    device = config.engine.resolved_device(torch.cuda.is_available())
-    dtype = TORCH_DTYPES[config.engine.resolved_dtype(device)]
+    options = config.engine
+    device = options.resolved_device(torch.cuda.is_available())
+    dtype = TORCH_DTYPES[options.resolved_dtype(device)]
+    path = options.model_path or bundled_model_path()
     checkpoint = load_checkpoint(
-        config.model_path or bundled_model_path(),
+        path,
         cache_dir=config.cache_dir,
         dtype=dtype,
-        quantization=config.engine.quantization,
-        quantization_group_size=config.engine.quantization_group_size,
+        quantization=options.quantization,
+        quantization_group_size=options.quantization_group_size,
     )
-    engine = LLMEngine.from_checkpoint(checkpoint, config.engine, cache_dir=config.cache_dir)
-    if config.engine.quantization_check and engine.checkpoint_quantization is not None:
+    engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig.of(options), cache_dir=config.cache_dir)
+    if options.quantization_check and engine.checkpoint_quantization is not None:
         logger.info(
             "quantization check skipped: the checkpoint comes quantized (%s), so there are no float weights to "
             "compare with; check the float checkpoint with UNIGATE_ENGINE__QUANTIZATION=int4 instead",
             engine.checkpoint_quantization,
         )
-    elif config.engine.quantization_check:  # served vs float32 perplexity on the evaluation text (a few seconds)
+    elif options.quantization_check:  # served vs float32 perplexity on the evaluation text (a few seconds)
         from local_engine.perplexity import check_quality
 
-        path = config.model_path or bundled_model_path()
         check_quality(engine, lambda: load_checkpoint(path, cache_dir=config.cache_dir, dtype=torch.float32))
     return AsyncEngine(engine)
 
@@ -149,10 +148,10 @@ class LocalBackend:
             config.name,
             functools.partial(load_engine, config),
             model_id=config.model_id,
-            load_wait_s=config.load_wait_s,
+            load_wait_s=config.engine.load_wait_s,
             clamp_max_tokens=config.clamp_max_tokens,
-            default_max_tokens=config.default_max_tokens,
-            sampling_defaults=config.sampling_defaults,
+            default_max_tokens=config.engine.default_max_tokens,
+            sampling_defaults=config.engine.sampling_defaults,
         )
 
     def _load(self, load: Callable[[], AsyncEngine]) -> AsyncEngine:

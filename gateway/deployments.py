@@ -1,9 +1,10 @@
 """`build_backend`: one backend per routing-file deployment, configured from the deployment and the settings.
 
-This is where the gateway's configuration becomes the backends' own (`backends.config.UpstreamConfig`,
-`backends.local.LocalBackendConfig`): backends never read the routing file or `Settings`. The local backend is
-imported only for `type: local`, so a gateway that routes only to upstreams never imports torch; neither does a
-worker of `unigate serve --workers N`, whose local deployments are clients of the host's engine process
+This is where the gateway's configuration becomes the backends' own (`backends.config.UpstreamConfig`, and
+`backends.local.LocalBackendConfig` / `backends.engine_client.EngineClientConfig`, which take a local model's merged
+options whole): backends never read the routing file or `Settings`. The local backend is imported only for
+`type: local`, so a gateway that routes only to upstreams never imports torch; neither does a worker of
+`unigate serve --workers N`, whose local deployments are clients of the host's engine process
 (`backends.engine_client.EngineClient`, the sockets in `Settings.engine_sockets`).
 """
 
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from backends.anthropic import AnthropicBackend
 from backends.base import Backend
-from backends.config import UpstreamConfig
+from backends.config import LocalEngineOptions, LocalModelOptions, UpstreamConfig
 from backends.openai import OpenAIBackend
 from gateway.routing_config import DeploymentConfig, RoutingConfigError
 from gateway.settings import EngineSettings, Settings
@@ -54,7 +55,7 @@ def local_model_settings(deployment: DeploymentConfig, settings: Settings) -> En
 
 
 def local_config(deployment: DeploymentConfig, settings: Settings) -> LocalBackendConfig:
-    """A `type: local` deployment's config: `local_model_settings` as the local backend takes it."""
+    """A `type: local` deployment's config: `local_model_settings` as the local backend takes it, whole."""
     from backends.local import LocalBackendConfig
 
     engine = local_model_settings(deployment, settings)
@@ -62,25 +63,21 @@ def local_config(deployment: DeploymentConfig, settings: Settings) -> LocalBacke
         name=deployment.name,
         model_id=deployment.id or engine.model_id,
         cache_dir=settings.data_dir / "models",
-        model_path=engine.model_path,
-        engine=engine.engine_config(),
-        load_wait_s=engine.load_wait_s,
+        engine=LocalEngineOptions.of(engine),
         clamp_max_tokens=True if deployment.clamp_max_tokens is None else deployment.clamp_max_tokens,
-        default_max_tokens=engine.default_max_tokens,
-        sampling_defaults=engine.sampling_defaults,
     )
 
 
 def engine_client_config(deployment: DeploymentConfig, settings: Settings) -> EngineClientConfig:
     """A `type: local` deployment served by the engine process at its socket (`settings.engine_sockets`), with the
-    output limits that process applies (`local_model_settings`, as `local_config` gives them)."""
+    model options that process applies (`local_model_settings`, as `local_config` gives them)."""
     from backends.engine_client import EngineClientConfig
 
     return EngineClientConfig(
         name=deployment.name,
         socket_path=settings.engine_sockets[deployment.name],
+        model=LocalModelOptions.of(local_model_settings(deployment, settings)),
         clamp_max_tokens=True if deployment.clamp_max_tokens is None else deployment.clamp_max_tokens,
-        default_max_tokens=local_model_settings(deployment, settings).default_max_tokens,
         connect_timeout_s=deployment.connect_timeout_s or settings.connect_timeout_s,
         read_timeout_s=settings.read_timeout_s,
         max_connections=deployment.max_connections,

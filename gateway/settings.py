@@ -15,8 +15,8 @@ import pydantic_settings
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from local_engine.config import EngineConfig, ModelOptions
-from local_engine.sampling_params import sampling_defaults
+from backends.config import LocalEngineOptions, LocalModelOptions
+from local_engine.config import EngineConfig
 
 __all__ = [
     "ConsoleSettings",
@@ -30,41 +30,26 @@ __all__ = [
 ]
 
 
-class LocalModelSettings(ModelOptions):
-    """What a `type: local` deployment may set for its own model, declared once: the engine settings extend this
-    model (`UNIGATE_ENGINE__<FIELD>`, every local deployment's default), and so does a routing-file deployment (the
-    fields its entry sets are its own). `gateway.deployments.local_model_settings` merges the two, the only place
-    that does. The quantization and speculative fields come from the engine's `ModelOptions`."""
+class LocalModelSettings(LocalModelOptions):
+    """What a `type: local` deployment may set for its own model: `backends.config.LocalModelOptions`, where each
+    field is declared once (the quantization and speculative fields in the engine's `ModelOptions`). The engine
+    settings hold them too (`UNIGATE_ENGINE__<FIELD>`, every local deployment's default), and a routing-file
+    deployment extends this model (the fields its entry sets are its own). `gateway.deployments.local_model_settings`
+    merges the two, the only place that does."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model_path: str | None = None  # HF directory or GGUF file; None = the bundled SmolLM2-135M-Instruct
-    # The output limit of a request that sets none (Codex CLI sends none), so a turn ends in bounded time.
-    # 0 = none: generate until EOS or the context is full.
-    default_max_tokens: int = Field(default=1024, ge=0)
-    # Sampling for a request that leaves these fields out (temperature, top_p, top_k, min_p, repetition_penalty),
-    # e.g. {"temperature": 0.7}, taken whole (a deployment's does not merge with the engine setting's). None = the
-    # model's own (generation_config.json; the bundled model: temperature 0.2); {} = OpenAI's defaults.
-    sampling_defaults: dict[str, Any] | None = None  # checked strictly by `_check_sampling_defaults`
 
-    @field_validator("sampling_defaults")
-    @classmethod
-    def _check_sampling_defaults(cls, value: dict[str, Any] | None) -> dict[str, float] | None:
-        return None if value is None else sampling_defaults(value)
-
-
-class EngineSettings(EngineConfig, LocalModelSettings):
-    """The embedded local engine (`type: local` deployments and the bundled default model): the engine's run
-    options (`local_engine.config.EngineConfig`, declared and validated there), what a deployment may set for its
-    own model (`LocalModelSettings`), and what only the gateway uses."""
+class EngineSettings(LocalEngineOptions):
+    """The embedded local engine (`type: local` deployments and the bundled default model): what the local backend
+    serves its model with (`backends.config.LocalEngineOptions`: the engine's run options, the model's own options,
+    `load_wait_s`, each declared and validated there), and what only the gateway uses."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     enabled: bool = True  # serve the bundled model when no routing file names any model
     model_id: str = "smollm2-135m-instruct"
     aliases: list[str] = Field(default_factory=lambda: ["local"])
-    # While the model loads, a request waits this long for it, then gets 503 engine_loading with Retry-After.
-    load_wait_s: float = Field(default=30.0, ge=0)
 
     def engine_config(self) -> EngineConfig:
         """The run options the engine takes (these settings without the gateway's fields)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -231,8 +231,8 @@ class SpeculativeConfig(BaseModel):
 
 class ModelOptions(BaseModel):
     """The run options that belong to one model rather than to the host: its weights' quantization and speculative
-    decoding. A gateway's `type: local` deployment may set these for itself (`gateway.settings.LocalModelSettings`
-    extends this model); the rest of `EngineConfig` is the host's."""
+    decoding. A gateway's `type: local` deployment may set these for itself (`backends.config.LocalModelOptions`
+    extends this model with the model's other options); the rest of `EngineConfig` is the host's."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -248,6 +248,14 @@ class ModelOptions(BaseModel):
         if value <= 0 or value % 32:
             raise ValueError("quantization_group_size must be a positive multiple of 32 (e.g. 32, 64 or 128)")
         return value
+
+    @classmethod
+    def of(cls, options: Self) -> Self:
+        """This model's fields alone, from an instance of it or of a subclass with more fields (e.g. the run
+        options `EngineConfig.of(settings)` from the gateway's `EngineSettings`, without the gateway's fields)."""
+        if type(options) is cls:
+            return options
+        return cls(**{name: getattr(options, name) for name in cls.model_fields})
 
 
 class EngineConfig(ModelOptions):
@@ -329,14 +337,6 @@ class EngineConfig(ModelOptions):
         if value is not None and value <= 0:
             raise ValueError("max_model_len must be a positive number of tokens, or unset (the model's own)")
         return value
-
-    @classmethod
-    def of(cls, options: EngineConfig) -> EngineConfig:
-        """The run options alone, from an `EngineConfig` or a subclass with more fields (the gateway's
-        `EngineSettings`): what the engine keeps, without the gateway's fields."""
-        if type(options) is cls:
-            return options
-        return cls(**{name: getattr(options, name) for name in cls.model_fields})
 
     def resolved_device(self, is_cuda_available: bool) -> str:
         if self.device == "auto":

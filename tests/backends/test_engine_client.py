@@ -18,6 +18,7 @@ from fakes.checkpoints import tiny_llama_checkpoint
 from fakes.engine_host import tiny_local_backend
 
 from backends.base import MAX_TOKENS_CLAMPED_KEY, Endpoint, HealthState, Json, OutputLimits
+from backends.config import LocalModelOptions
 from backends.engine_client import EngineClient, EngineClientConfig
 from backends.engine_protocol import Output, encode, read_message
 from gateway.engine_host.host import EngineHost, HostedBackend
@@ -145,7 +146,7 @@ async def test_closing_a_stream_early_aborts_it_in_the_engine(engine: Any) -> No
 
 async def test_state_stats_and_limits_are_the_engines_last_answer(engine: Any) -> None:
     fake, _, path = engine
-    client = client_for(path, default_max_tokens=0, clamp_max_tokens=False)
+    client = client_for(path, model=LocalModelOptions(default_max_tokens=0), clamp_max_tokens=False)
     try:
         await client.refresh()
         assert client.health_state() == "loading" and client.stats()["loaded"] is False

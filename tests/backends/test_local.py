@@ -12,17 +12,23 @@ from typing import Any
 import pytest
 
 from backends.base import Backend
+from backends.config import LocalEngineOptions
 from backends.local import LocalBackend, LocalBackendConfig
 from gateway.errors import InvalidRequestError
-from local_engine.config import EngineConfig
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Say something about 春天 🌸"}]}
 
 
 @pytest.fixture
 async def backend(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[LocalBackend]:
-    engine = EngineConfig(device="cpu", kv_cache_memory=2 * 2**20, max_num_seqs=8, max_num_batched_tokens=64)
-    config = LocalBackendConfig("tiny#0", "tiny", tmp_path / "models", model_path=str(tiny_model_dir), engine=engine)
+    engine = LocalEngineOptions(
+        model_path=str(tiny_model_dir),
+        device="cpu",
+        kv_cache_memory=2 * 2**20,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+    )
+    config = LocalBackendConfig("tiny#0", "tiny", tmp_path / "models", engine)
     local = LocalBackend.from_local_config(config)
     yield local
     await local.aclose()
@@ -177,7 +183,9 @@ async def test_closing_a_stream_aborts_the_engine_request(backend: LocalBackend)
 
 async def test_missing_model_fails_clearly(tmp_path: Path) -> None:
     missing = str(tmp_path / "nope.gguf")
-    config = LocalBackendConfig("missing#0", "missing", tmp_path / "models", missing, EngineConfig(device="cpu"))
+    config = LocalBackendConfig(
+        "missing#0", "missing", tmp_path / "models", LocalEngineOptions(model_path=missing, device="cpu")
+    )
     local = LocalBackend.from_local_config(config)
     with pytest.raises(Exception) as info:
         await local.send("chat/completions", CHAT, request_id="m")
@@ -204,11 +212,10 @@ async def test_sampling_defaults_fill_what_a_request_leaves_out(
     model_dir = tmp_path / "with-generation-config"
     shutil.copytree(tiny_model_dir, model_dir)
     (model_dir / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 5}))
-    engine = EngineConfig(device="cpu", kv_cache_memory=2 * 2**20, max_num_seqs=8, max_num_batched_tokens=64)
+    options = {"device": "cpu", "kv_cache_memory": 2 * 2**20, "max_num_seqs": 8, "max_num_batched_tokens": 64}
     for override, expected in ((None, {"temperature": 0.0, "top_k": 5}), ({"temperature": 1.0}, {"temperature": 1.0})):
-        config = LocalBackendConfig(
-            "tiny#1", "tiny", tmp_path / "models", str(model_dir), engine, sampling_defaults=override
-        )
+        engine = LocalEngineOptions(model_path=str(model_dir), sampling_defaults=override, **options)
+        config = LocalBackendConfig("tiny#1", "tiny", tmp_path / "models", engine)
         local = LocalBackend.from_local_config(config)
         try:
             assert await answer(local) == (greedy if override is None else sampled)

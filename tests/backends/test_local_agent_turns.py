@@ -21,10 +21,10 @@ from fakes.app import MASTER, make_settings
 from fakes.engine_models import ScriptedSampler
 from fakes.server import ThreadedServer
 
+from backends.config import LocalEngineOptions
 from backends.local import LocalBackend, LocalBackendConfig
 from gateway.app import create_app
 from gateway.routing_config import parse_routing
-from local_engine.config import EngineConfig
 
 NAME = "tiny#0"
 BLOCK_SIZE = 16
@@ -54,10 +54,15 @@ SECOND_TURN_TAIL = (
 
 @pytest.fixture
 async def backend(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[LocalBackend]:
-    engine = EngineConfig(
-        device="cpu", kv_cache_memory=2 * 2**20, max_num_seqs=8, max_num_batched_tokens=64, block_size=BLOCK_SIZE
+    engine = LocalEngineOptions(
+        model_path=str(tiny_model_dir),
+        device="cpu",
+        kv_cache_memory=2 * 2**20,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=BLOCK_SIZE,
     )
-    config = LocalBackendConfig(NAME, "tiny", tmp_path / "models", model_path=str(tiny_model_dir), engine=engine)
+    config = LocalBackendConfig(NAME, "tiny", tmp_path / "models", engine)
     local = LocalBackend.from_local_config(config)
     await local.send(
         "chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}, request_id="w"

@@ -11,13 +11,13 @@ from fakes.access import RecordingAccess
 from fakes.app import AUTH, MASTER, asgi_client, make_settings
 from starlette.applications import Starlette
 
+from backends.config import LocalEngineOptions
 from backends.local import LocalBackend, LocalBackendConfig
 from gateway.app import create_app
 from gateway.routing_config import parse_routing
-from local_engine.config import EngineConfig
 
 NAME = "tiny#0"
-ENGINE = EngineConfig(device="cpu", kv_cache_memory=2 * 2**20, max_num_seqs=8, max_num_batched_tokens=64)
+ENGINE = LocalEngineOptions(device="cpu", kv_cache_memory=2 * 2**20, max_num_seqs=8, max_num_batched_tokens=64)
 # Long enough to fill whole KV blocks (16 tokens each), which a repeated prompt finds in the prefix cache.
 BODY = {
     "model": "tiny",
@@ -28,7 +28,8 @@ BODY = {
 
 @pytest.fixture
 async def backend(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[LocalBackend]:
-    config = LocalBackendConfig(NAME, "tiny", tmp_path / "models", model_path=str(tiny_model_dir), engine=ENGINE)
+    engine = ENGINE.model_copy(update={"model_path": str(tiny_model_dir)})
+    config = LocalBackendConfig(NAME, "tiny", tmp_path / "models", engine)
     local = LocalBackend.from_local_config(config)
     yield local
     await local.aclose()

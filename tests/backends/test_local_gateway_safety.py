@@ -17,23 +17,22 @@ from fakes.access import RecordingAccess
 from fakes.app import AUTH, MASTER, asgi_client, make_settings
 from starlette.applications import Starlette
 
+from backends.config import LocalEngineOptions
 from backends.local import LocalBackend, LocalBackendConfig
 from gateway.app import create_app
 from gateway.errors import InvalidRequestError
 from gateway.routing_config import parse_routing
-from local_engine.config import EngineConfig
 
 NAME = "tiny#0"
 OTHER_KEY = "sk-ug-other-tenant"
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about spring"}], "max_tokens": 8}
 MESSAGES = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about spring"}], "max_tokens": 8}
-ENGINE = EngineConfig(device="cpu", kv_cache_memory=2 * 2**20, max_num_seqs=8, max_num_batched_tokens=64)
+ENGINE = LocalEngineOptions(device="cpu", kv_cache_memory=2 * 2**20, max_num_seqs=8, max_num_batched_tokens=64)
 
 
 def build_backend(model_dir: Path, data_dir: Path, *, load_wait_s: float = 30.0) -> LocalBackend:
-    config = LocalBackendConfig(
-        NAME, "tiny", data_dir / "models", model_path=str(model_dir), engine=ENGINE, load_wait_s=load_wait_s
-    )
+    engine = ENGINE.model_copy(update={"model_path": str(model_dir), "load_wait_s": load_wait_s})
+    config = LocalBackendConfig(NAME, "tiny", data_dir / "models", engine)
     return LocalBackend.from_local_config(config)
 
 

@@ -11,11 +11,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from backends.config import LocalEngineOptions
 from backends.engine_protocol import GetState, State, decode, encode
 from backends.local import LocalBackend, LocalBackendConfig
 from gateway.engine_host.host import EngineHost, HostedBackend
 from gateway.engine_host.main import bind_owner_only
-from local_engine.config import EngineConfig
 
 __all__ = ["ThreadedEngineHost", "get_state", "tiny_local_backend"]
 
@@ -31,7 +31,7 @@ def tiny_local_backend(model_path: Path, data_dir: Path, **engine: Any) -> Local
     }
     options.update(engine)
     config = LocalBackendConfig(
-        "local#0", model_id="tiny", cache_dir=data_dir, model_path=str(model_path), engine=EngineConfig(**options)
+        "local#0", model_id="tiny", cache_dir=data_dir, engine=LocalEngineOptions(model_path=str(model_path), **options)
     )
     return LocalBackend.from_local_config(config)
 

@@ -101,12 +101,14 @@ def test_a_wrong_quantization_entry_is_a_routing_error(fields: dict[str, Any], m
 
 
 def test_sampling_defaults_come_from_the_entry_then_the_engine_settings(tmp_path: Path) -> None:
-    assert local_config(deployment(type="local"), settings(tmp_path)).sampling_defaults is None  # the model's own
+    assert (
+        local_config(deployment(type="local"), settings(tmp_path)).engine.sampling_defaults is None
+    )  # the model's own
     engine_wide = settings(tmp_path, sampling_defaults={"temperature": 0.7})
-    assert local_config(deployment(type="local"), engine_wide).sampling_defaults == {"temperature": 0.7}
+    assert local_config(deployment(type="local"), engine_wide).engine.sampling_defaults == {"temperature": 0.7}
     entry = deployment(type="local", sampling_defaults={"top_p": 0.9, "top_k": 40})
-    assert local_config(entry, engine_wide).sampling_defaults == {"top_p": 0.9, "top_k": 40}  # whole, not merged
-    assert local_config(deployment(type="local", sampling_defaults={}), engine_wide).sampling_defaults == {}
+    assert local_config(entry, engine_wide).engine.sampling_defaults == {"top_p": 0.9, "top_k": 40}  # whole, not merged
+    assert local_config(deployment(type="local", sampling_defaults={}), engine_wide).engine.sampling_defaults == {}
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
-"""What a `type: local` deployment may set for its model is declared once (`LocalModelSettings`, whose quantization
-and speculative fields are the engine's `ModelOptions`) and merged in one function
-(`gateway.deployments.local_model_settings`): the entry's value where it sets one, the engine setting's otherwise."""
+"""What a `type: local` deployment may set for its model is declared once (`backends.config.LocalModelOptions`, whose
+quantization and speculative fields are the engine's `ModelOptions`; the gateway's `LocalModelSettings` extends it)
+and merged in one function (`gateway.deployments.local_model_settings`): the entry's value where it sets one, the
+engine setting's otherwise. The backends take the merged options whole and declare none of the fields again."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from backends.config import LocalEngineOptions, LocalModelOptions
+from backends.engine_client import EngineClientConfig
+from backends.local import LocalBackendConfig
 from gateway.deployments import engine_client_config, local_config, local_model_settings
 from gateway.routing_config import DeploymentConfig, parse_routing
 from gateway.settings import EngineSettings, LocalModelSettings, Settings
@@ -46,20 +50,28 @@ def as_field(name: str, value: Any) -> Any:
 
 
 def test_the_table_covers_every_shared_field() -> None:
-    assert set(VALUES) == set(LocalModelSettings.model_fields)
+    assert set(VALUES) == set(LocalModelSettings.model_fields) == set(LocalModelOptions.model_fields)
     assert set(ModelOptions.model_fields) < set(LocalModelSettings.model_fields)
 
 
 @pytest.mark.parametrize("field", sorted(LocalModelSettings.model_fields))
-@pytest.mark.parametrize("model", [EngineSettings, DeploymentConfig, LocalModelSettings])
+@pytest.mark.parametrize("model", [EngineSettings, DeploymentConfig, LocalModelSettings, LocalEngineOptions])
 def test_each_shared_field_is_declared_once(model: type[BaseModel], field: str) -> None:
-    expected = ModelOptions if field in ModelOptions.model_fields else LocalModelSettings
+    expected = ModelOptions if field in ModelOptions.model_fields else LocalModelOptions
     assert declaring_classes(model, field) == [expected]
 
 
 def test_the_engine_options_are_declared_once() -> None:
-    for field in EngineConfig.model_fields:
+    for field in [*EngineConfig.model_fields, *LocalEngineOptions.model_fields]:
         assert len(declaring_classes(EngineSettings, field)) == 1, field
+    assert declaring_classes(EngineSettings, "load_wait_s") == [LocalEngineOptions]
+
+
+@pytest.mark.parametrize("config", [LocalBackendConfig, EngineClientConfig])
+def test_the_backend_configs_declare_none_of_the_model_fields(config: type) -> None:
+    """They hold the merged options whole (`LocalBackendConfig.engine`, `EngineClientConfig.model`)."""
+    declared_again = set(inspect.get_annotations(config)) & set(LocalEngineOptions.model_fields)
+    assert not declared_again, sorted(declared_again)
 
 
 @pytest.mark.parametrize("field", sorted(VALUES))
@@ -99,8 +111,11 @@ def test_both_backends_take_the_merged_values(tmp_path: Path) -> None:
     configured = settings(tmp_path, default_max_tokens=2048, load_wait_s=7, sampling_defaults={"temperature": 0.5})
     entry = deployment(type="local", default_max_tokens=300, model_path="/models/own", quantization="int8")
     config = local_config(entry, configured)
-    assert (config.default_max_tokens, config.load_wait_s, config.model_path) == (300, 7, "/models/own")
-    assert config.sampling_defaults == {"temperature": 0.5}
-    assert type(config.engine) is EngineConfig and config.engine.quantization == "int8"
+    assert type(config.engine) is LocalEngineOptions
+    assert config.engine == LocalEngineOptions.of(local_model_settings(entry, configured))
+    engine = config.engine
+    assert (engine.default_max_tokens, engine.load_wait_s, engine.model_path) == (300, 7, "/models/own")
+    assert engine.sampling_defaults == {"temperature": 0.5} and engine.quantization == "int8"
     client = engine_client_config(entry, configured.with_engine_sockets({entry.name: str(tmp_path / "e.sock")}))
-    assert client.default_max_tokens == config.default_max_tokens
+    assert type(client.model) is LocalModelOptions
+    assert client.model == LocalModelOptions.of(engine)

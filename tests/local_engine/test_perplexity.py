@@ -12,6 +12,7 @@ import pytest
 import torch
 from loading.tiny_checkpoints import save_tiny_tokenizer, tiny_model
 
+from backends.config import LocalEngineOptions
 from backends.local import LocalBackendConfig, load_engine
 from local_engine import perplexity as ppl
 from local_engine.config import EngineConfig
@@ -161,10 +162,8 @@ def test_quality_check_has_nothing_to_check_unquantized(tiny_dir: Path) -> None:
 def test_the_local_backend_runs_the_check_at_start_up(
     tiny_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    options = EngineConfig(**ENGINE, kv_cache_dtype="int8", quantization_check=True)
-    config = LocalBackendConfig(
-        name="tiny", model_id="tiny", cache_dir=tmp_path, model_path=str(tiny_dir), engine=options
-    )
+    options = LocalEngineOptions(model_path=str(tiny_dir), **ENGINE, kv_cache_dtype="int8", quantization_check=True)
+    config = LocalBackendConfig(name="tiny", model_id="tiny", cache_dir=tmp_path, engine=options)
     with caplog.at_level(logging.INFO, logger="unigate.engine"):
         engine = load_engine(config)
     try:

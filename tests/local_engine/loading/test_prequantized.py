@@ -220,12 +220,12 @@ def test_the_zero_point_convention_follows_the_checkpoint_format() -> None:
 def test_a_local_deployment_serves_a_prequantized_checkpoint(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The path a `type: local` deployment takes (`backends.local.load_engine`), with the quality check on: there
     is no float checkpoint to compare with, so it says so instead of comparing the weights with themselves."""
+    from backends.config import LocalEngineOptions
     from backends.local import LocalBackendConfig, load_engine
-    from local_engine.config import EngineConfig
 
     options = {"device": "cpu", "kv_cache_memory": 4 * 2**20, "quantization_check": True}
     source = str(FIXTURES / "awq-w4g64")
-    config = LocalBackendConfig("d", "m", tmp_path / "models", model_path=source, engine=EngineConfig(**options))
+    config = LocalBackendConfig("d", "m", tmp_path / "models", LocalEngineOptions(model_path=source, **options))
     with caplog.at_level("INFO", logger="unigate.engine"):
         engine = load_engine(config)
     try:

@@ -167,11 +167,12 @@ def test_a_quantized_checkpoint_needs_its_group_size(tmp_path: Path) -> None:
 def test_the_local_backend_loads_with_its_deployments_quantization(tmp_path: Path) -> None:
     """The path a `type: local` deployment takes (`backends.local.load_engine`): the setting reaches the loader
     (a cached quantized entry) and the engine (quantized projections)."""
+    from backends.config import LocalEngineOptions
     from backends.local import LocalBackendConfig, load_engine
 
     source = write_hf_dir(tmp_path / "hf", "llama", False)
     options = {"device": "cpu", "kv_cache_memory": 4 * 2**20, "quantization": "int4", "quantization_group_size": 64}
-    config = LocalBackendConfig("d", "m", tmp_path / "models", model_path=str(source), engine=EngineConfig(**options))
+    config = LocalBackendConfig("d", "m", tmp_path / "models", LocalEngineOptions(model_path=str(source), **options))
     engine = load_engine(config)
     try:
         linears = [m for m in engine.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
