@@ -13,7 +13,7 @@ wake-up list) build it from a `*_prefix` below, which carries the same tag.
     ug:{<id>}:leases                 zset    concurrency leases: member request id, score expiry (ms)
     ug:{<id>}:holds                  zset    budget holds of requests in flight: member "<request id>|<tokens>|
                                              <micros>", score expiry (ms)
-    ug:{<id>}:holds_sum              hash    what the holds hold in all: "tokens", "micros"
+    ug:{<id>}:holds_sum              string  what the holds hold in all: "|<tokens>|<micros>" (expires with them)
     ug:{<id>}:settled:<request id>   string  settle idempotency marker
     ug:{<id>}:usage:<YYYY-MM-DD>     hash    "<model>|requests|prompt_tokens|completion_tokens" for one UTC day
     ug:{<id>}:usage_days             zset    days with usage (member date, score day number)
@@ -168,7 +168,7 @@ def key_holds(key_id: str) -> str:
 
 
 def key_holds_sum(key_id: str) -> str:
-    """What the key's holds hold in all (fields "tokens", "micros"), kept with them by the scripts."""
+    """What the key's holds hold in all ("|<tokens>|<micros>"), kept with them by the scripts."""
     return key_prefix(key_id) + "holds_sum"
 
 

@@ -9,9 +9,9 @@
 -- KEYS[5]  ug:{id}:leases    zset   concurrency leases: member request id, score expiry (ms)
 -- KEYS[6]  ug:{id}:holds     zset   budget reservations of requests in flight: member
 --                                   "<request id>|<tokens>|<micros>", score expiry (ms)
--- KEYS[7]  ug:{id}:holds_sum hash   what KEYS[6] holds in all: fields "tokens", "micros" (kept by every script
---                                   that adds or removes a hold, so admission reads two numbers instead of
---                                   summing every request in flight: a team's holds are all its keys' requests)
+-- KEYS[7]  ug:{id}:holds_sum string what KEYS[6] holds in all: "|<tokens>|<micros>" (kept by every script that
+--                                   adds or removes a hold, so admission reads one value instead of summing
+--                                   every request in flight: a team's holds are all its keys' requests)
 -- ARGV[1]  hex SHA-256 of the presented secret (must equal the record's key_hash: a rotated key stops here); ""
 --          for a team (its record has no secret, no revocation and no expiry, so those checks pass by themselves)
 -- ARGV[2]  model id
@@ -116,6 +116,7 @@ if not may_use(model) then return reject('model_not_allowed', 0) end
 -- request's worst case fits. The cost is the highest among the models the key may be served by.
 local hold_member = nil
 local hold_micros = 0
+local held, held_micros = 0, 0  -- what requests in flight hold (read when the key has a budget)
 if budget >= 0 or budget_micros >= 0 then
   local period, period_left = period_of(fields[9] or 'total', now)
   local spent, spent_micros
@@ -130,12 +131,13 @@ if budget >= 0 or budget_micros >= 0 then
     local micros = tonumber(ARGV[i + 1]) or 0
     if micros > hold_micros and (i == 9 or may_use(ARGV[i])) then hold_micros = micros end
   end
-  -- What requests in flight hold: the running sums, less the holds that expired (dropped now). Sums that are
-  -- missing while holds exist (lost, or never written) are rebuilt from the holds, once.
-  local sums = redis.call('HMGET', held_key, 'tokens', 'micros')
-  local held, held_micros = tonumber(sums[1]), tonumber(sums[2])
-  if held == nil or held_micros == nil then
-    held, held_micros = 0, 0
+  -- What requests in flight hold: their running sum, less the holds that expired (dropped now). A sum that is
+  -- missing while holds exist (lost, or never written) is rebuilt from the holds, once.
+  local sum = redis.call('GET', held_key)
+  local stored, stored_micros = nil, nil
+  if sum then stored, stored_micros = hold_of(sum) end
+  held, held_micros = stored or 0, stored_micros or 0
+  if not sum then
     for _, member in ipairs(redis.call('ZRANGE', holds_key, 0, -1)) do
       local tokens, micros = hold_of(member)
       held, held_micros = held + tokens, held_micros + micros
@@ -150,13 +152,13 @@ if budget >= 0 or budget_micros >= 0 then
     redis.call('ZREMRANGEBYSCORE', holds_key, '-inf', now)
   end
   held, held_micros = math.max(held, 0), math.max(held_micros, 0)
-  if (tonumber(sums[1]) or 0) ~= held or (tonumber(sums[2]) or 0) ~= held_micros then
+  if (stored or 0) ~= held or (stored_micros or 0) ~= held_micros then  -- rare: holds expired, or a rebuild
     local ttl = redis.call('PTTL', holds_key)
     if ttl == -2 then  -- no hold left: nothing is held
       redis.call('DEL', held_key)
-    else
-      redis.call('HSET', held_key, 'tokens', string.format('%d', held), 'micros', string.format('%d', held_micros))
-      if ttl > 0 then redis.call('PEXPIRE', held_key, ttl) end
+    elseif ttl > 0 then
+      redis.call('SET', held_key, '|' .. string.format('%d', held) .. '|' .. string.format('%d', held_micros),
+        'PX', ttl)
     end
   end
   -- A budget already reached refuses even a request that holds nothing (an unpriced model costs 0).
@@ -266,11 +268,10 @@ if max_concurrent >= 0 then
 end
 if hold_member then
   redis.call('ZADD', holds_key, now + lease_ttl, hold_member)
-  redis.call('HINCRBY', held_key, 'tokens', string.format('%d', budget_tokens))
-  redis.call('HINCRBY', held_key, 'micros', string.format('%d', hold_micros))
-  -- The sums live exactly as long as the holds (every hold expires by then).
   redis.call('PEXPIRE', holds_key, lease_ttl)
-  redis.call('PEXPIRE', held_key, lease_ttl)
+  -- The sum lives exactly as long as the holds (every hold expires by then).
+  redis.call('SET', held_key, '|' .. string.format('%d', held + budget_tokens) .. '|' ..
+    string.format('%d', held_micros + hold_micros), 'PX', lease_ttl)
 end
 
 local rpm_remaining, tpm_remaining = -1, -1

@@ -6,7 +6,7 @@
 -- KEYS[3]  ug:{id}:tpm_sum   string  tokens in KEYS[2]
 -- KEYS[4]  ug:{id}:leases    zset    concurrency leases (member request id)
 -- KEYS[5]  ug:{id}:holds     zset    budget holds (member "<request id>|<tokens>|<micros>")
--- KEYS[6]  ug:{id}:holds_sum hash    what KEYS[5] holds in all ("tokens", "micros"; admit_request.lua)
+-- KEYS[6]  ug:{id}:holds_sum string  what KEYS[5] holds in all ("|<tokens>|<micros>"; admit_request.lua)
 -- ARGV[1]  request id
 -- ARGV[2]  tokens reserved at admission (the token log member's count)
 -- ARGV[3]  the budget hold's member
@@ -21,10 +21,19 @@ local request_id, reserved, hold_member = ARGV[1], tonumber(ARGV[2]) or 0, ARGV[
 local removed = redis.call('ZREM', rpm_key, request_id) + redis.call('ZREM', leases_key, request_id)
 if redis.call('ZREM', holds_key, hold_member) == 1 then
   removed = removed + 1
-  local tokens, micros = string.match(hold_member, '|([^|]*)|([^|]*)$')
-  local left = redis.call('HINCRBY', held_key, 'tokens', string.format('%d', -(tonumber(tokens) or 0)))
-  local left_micros = redis.call('HINCRBY', held_key, 'micros', string.format('%d', -(tonumber(micros) or 0)))
-  if left < 0 or left_micros < 0 then redis.call('DEL', held_key) end  -- never below 0 (rebuilt at the next admit)
+  local sum = redis.call('GET', held_key)  -- "|<tokens>|<micros>"; missing: rebuilt at the next admission
+  if sum then
+    local tokens, micros = string.match(hold_member, '|([^|]*)|([^|]*)$')
+    local held, held_micros = string.match(sum, '|([^|]*)|([^|]*)$')
+    local left = (tonumber(held) or 0) - (tonumber(tokens) or 0)
+    local left_micros = (tonumber(held_micros) or 0) - (tonumber(micros) or 0)
+    if left < 0 or left_micros < 0 then
+      redis.call('DEL', held_key)  -- it had drifted: rebuilt at the next admission
+    else
+      redis.call('SET', held_key, '|' .. string.format('%d', left) .. '|' .. string.format('%d', left_micros),
+        'KEEPTTL')
+    end
+  end
 end
 if redis.call('ZREM', tpm_key, request_id .. '|' .. string.format('%d', reserved)) == 1 then
   removed = removed + 1

@@ -11,7 +11,7 @@
 -- KEYS[5]  ug:{id}:usage_total         hash    lifetime "<model>|<counter>"
 -- KEYS[6]  ug:{id}:usage_days          zset    days with usage
 -- KEYS[7]  ug:{id}:holds               zset    budget reservations of requests in flight
--- KEYS[8]  ug:{id}:holds_sum           hash    what KEYS[7] holds in all ("tokens", "micros"; admit_request.lua)
+-- KEYS[8]  ug:{id}:holds_sum           string  what KEYS[7] holds in all ("|<tokens>|<micros>"; admit_request.lua)
 -- KEYS[8+i] ug:{id}:settled:<request>  string  idempotency marker of the i-th request
 -- ARGV[1]  the key's name prefix "ug:{id}:" (the per-day usage hash "ug:{id}:usage:<YYYY-MM-DD>" is built from it,
 --          so it shares the hash tag and slot of KEYS[*])
@@ -117,9 +117,16 @@ end
 if num_settled == 0 then return settled end
 
 if freed > 0 or freed_micros > 0 then
-  local left = tonumber(redis.call('HINCRBY', held_key, 'tokens', int(-freed)))
-  local left_micros = tonumber(redis.call('HINCRBY', held_key, 'micros', int(-freed_micros)))
-  if left < 0 or left_micros < 0 then redis.call('DEL', held_key) end  -- never below 0 (rebuilt at the next admit)
+  local sum = redis.call('GET', held_key)  -- "|<tokens>|<micros>"; missing: rebuilt at the next admission
+  if sum then
+    local tokens, micros = string.match(sum, '|([^|]*)|([^|]*)$')
+    local left, left_micros = (tonumber(tokens) or 0) - freed, (tonumber(micros) or 0) - freed_micros
+    if left < 0 or left_micros < 0 then
+      redis.call('DEL', held_key)  -- it had drifted: rebuilt at the next admission
+    else
+      redis.call('SET', held_key, '|' .. int(left) .. '|' .. int(left_micros), 'KEEPTTL')
+    end
+  end
 end
 
 if tpm_touched then
