@@ -1,6 +1,7 @@
 """Gateway overhead: the same load against a fast fake upstream directly and through one gateway worker.
 
-    .venv/bin/python benchmarks/gateway_overhead.py [--seconds 5] [--concurrency 1,32,128]
+    .venv/bin/python benchmarks/gateway_overhead.py [--seconds 5] [--concurrency 1,32,128] [--limits [--team]]
+        [--rounds 1]
 
 Three processes: the fake upstream (tests/fakes/upstream.py, uvloop), the gateway (`gateway.server.run`, one
 uvicorn worker, uvloop + httptools), and this load generator (aiohttp, uvloop, closed loop: `c` clients each
@@ -10,6 +11,10 @@ the gateway process's CPU time per request (Linux): on a box shared with other w
 to run, the CPU cost per request much less, so compare that one between versions.
 
 The gateway's embedded Redis lives in a temporary data directory, so runs never load (or grow) a real one.
+
+`--rounds N` splits each measurement into N parts of `--seconds / N`, taken in turn (direct, gateway, gateway with
+limits, then again): on a box whose other load changes from second to second, the ratio of two rows then compares
+like with like. Each row sums its rounds (requests, time, CPU; latencies pooled).
 """
 
 from __future__ import annotations
@@ -42,6 +47,17 @@ class Result:
     latencies_ms: list[float]
     num_errors: int
     cpu_s: float | None = None  # CPU time the measured server process used during the run (None: unknown)
+
+    def plus(self, other: Result) -> Result:
+        """Two measurements of the same thing taken apart, as one."""
+        cpu_s = None if self.cpu_s is None or other.cpu_s is None else self.cpu_s + other.cpu_s
+        return Result(
+            self.num_requests + other.num_requests,
+            self.seconds + other.seconds,
+            self.latencies_ms + other.latencies_ms,
+            self.num_errors + other.num_errors,
+            cpu_s,
+        )
 
     @property
     def cpu_us_per_request(self) -> float:
@@ -175,6 +191,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--concurrency", default="1,32,128")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="take each measurement in this many parts, in turn (see the docstring)"
+    )
     parser.add_argument("--hold", action="store_true", help="only start the processes and wait (for profiling)")
     parser.add_argument(
         "--limits",
@@ -196,7 +215,15 @@ def main() -> None:
                 signal.pause()
             limited_key = create_limited_key(gateway_url, in_team=args.team) if args.limits else None
             rows = uvloop.run(
-                run_all(levels, args.seconds, direct_url, gateway_url, limited_key, gateway_pid=processes[1].pid)
+                run_all(
+                    levels,
+                    args.seconds,
+                    direct_url,
+                    gateway_url,
+                    limited_key,
+                    gateway_pid=processes[1].pid,
+                    num_rounds=max(1, args.rounds),
+                )
             )
         finally:
             for process in processes:
@@ -231,25 +258,36 @@ async def run_all(
     limited_key: str | None,
     *,
     gateway_pid: int | None = None,
+    num_rounds: int = 1,
 ) -> list[tuple[str, int, Result, Result]]:
     rows = []
+    part_s = seconds / num_rounds
     for stream in (False, True):
         mode = "stream TTFT" if stream else "non-stream"
         for concurrency in levels:
-            direct = await load(direct_url, concurrency=concurrency, seconds=seconds, stream=stream)
-            through = await load(
-                gateway_url, concurrency=concurrency, seconds=seconds, stream=stream, server_pid=gateway_pid
-            )
-            rows.append((mode, concurrency, direct, through))
-            if limited_key is not None:
-                limited = await load(
-                    gateway_url,
-                    concurrency=concurrency,
-                    seconds=seconds,
-                    stream=stream,
-                    api_key=limited_key,
-                    server_pid=gateway_pid,
+            direct: Result | None = None
+            through: Result | None = None
+            limited: Result | None = None
+            for _ in range(num_rounds):
+                one = await load(direct_url, concurrency=concurrency, seconds=part_s, stream=stream)
+                direct = one if direct is None else direct.plus(one)
+                one = await load(
+                    gateway_url, concurrency=concurrency, seconds=part_s, stream=stream, server_pid=gateway_pid
                 )
+                through = one if through is None else through.plus(one)
+                if limited_key is not None:
+                    one = await load(
+                        gateway_url,
+                        concurrency=concurrency,
+                        seconds=part_s,
+                        stream=stream,
+                        api_key=limited_key,
+                        server_pid=gateway_pid,
+                    )
+                    limited = one if limited is None else limited.plus(one)
+            assert direct is not None and through is not None
+            rows.append((mode, concurrency, direct, through))
+            if limited is not None:
                 rows.append((f"{mode}+limits", concurrency, direct, limited))
     return rows
 
