@@ -86,6 +86,9 @@ class _Connection:
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
         self.calls: dict[int, asyncio.Task[None]] = {}
+        # Calls that ended because a write found the worker gone: the writer can notice before the reader's EOF
+        # does, and the disconnection's one log line must count them either way.
+        self.num_cut = 0
 
     def send(self, message: HostMessage) -> None:
         if not self.writer.is_closing():
@@ -146,8 +149,9 @@ class EngineHost:
         except ConnectionError:
             pass  # reported below, with the calls it cut
         finally:
-            if connection.calls:
-                logger.info("a worker disconnected from the engine; aborting its %d calls", len(connection.calls))
+            if connection.calls or connection.num_cut:
+                num_calls = len(connection.calls) + connection.num_cut
+                logger.info("a worker disconnected from the engine; aborting its %d calls", num_calls)
             await connection.close()
             self._connections.discard(connection)
 
@@ -177,7 +181,7 @@ class EngineHost:
         except GatewayError as error:
             connection.send(Failed.of(message.call_id, error))
         except ConnectionError:
-            pass  # the worker went away: its reader aborts the other calls
+            connection.num_cut += 1  # the worker went away: its reader logs it and aborts the other calls
         except Exception as exc:
             logger.exception("the engine host failed a call")
             failure = EngineError(f"The engine host failed ({type(exc).__name__}).")
