@@ -207,10 +207,11 @@ def _test_clock(clock_key: str) -> str:
 class LuaScript:
     """One script: its source (clock + calendar prelude + the file), its SHA, and NOSCRIPT recovery."""
 
-    def __init__(self, name: str, *, clock_key: str | None = None) -> None:
+    def __init__(self, name: str, *, clock_key: str | None = None, includes: tuple[str, ...] = ()) -> None:
         self.name = name
         clock = _read_lua("_clock.lua") if clock_key is None else _test_clock(clock_key)
-        prelude = clock + "\n" + _read_lua("_calendar.lua")
+        # Shared function files (`auth/lua/_*.lua`) a script uses go in its prelude, in the order given.
+        prelude = "\n".join([clock, _read_lua("_calendar.lua"), *(_read_lua(f) for f in includes)])
         self.num_prelude_lines = prelude.count("\n") + 1
         self.source = prelude + "\n" + _read_lua(f"{name}.lua")
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
@@ -239,8 +240,8 @@ class ScriptSet:
         self.clock_key = clock_key
         self.admit = LuaScript("admit_request", clock_key=clock_key)
         self.settle = LuaScript("settle_request", clock_key=clock_key)
-        self.acquire = LuaScript("acquire_upstream", clock_key=clock_key)
-        self.release = LuaScript("release_upstream", clock_key=clock_key)
+        self.acquire = LuaScript("acquire_upstream", clock_key=clock_key, includes=("_fair_handoff.lua",))
+        self.release = LuaScript("release_upstream", clock_key=clock_key, includes=("_fair_handoff.lua",))
         self.update = LuaScript("update_key", clock_key=clock_key)
         self.cancel = LuaScript("cancel_admission", clock_key=clock_key)
 

@@ -27,63 +27,9 @@ local leases_key, legacy_key, max_key, line_key = KEYS[1], KEYS[2], KEYS[3], KEY
 local lease_id, max_in_flight, lease_ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local wait_timeout, entry, name_prefix = tonumber(ARGV[4]), ARGV[5], ARGV[6]
 local class, tenant, weight, handoff_ttl = ARGV[7], ARGV[8], ARGV[9], tonumber(ARGV[10])
-local CLASSES = {'high', 'normal', 'low'}
 local tenants_key = KEYS[({high = 4, normal = 5, low = 6})[class]]
 
 local now = now_ms()
-
--- >>> fair hand-off (kept identical in acquire_upstream.lua and release_upstream.lua; a test compares them)
--- The next live waiter in fair order, taken out of its line (expired waiters are dropped on the way), or nil.
-local function next_waiter()
-  while true do
-    local head = redis.call('LPOP', legacy_key)
-    if not head then break end
-    local waiter, deadline = string.match(head, '^(.*)|(%d+)$')
-    if deadline and tonumber(deadline) >= now then return waiter end
-  end
-  for i, name in ipairs(CLASSES) do
-    local class_key = KEYS[3 + i]
-    while true do
-      local top = redis.call('ZRANGE', class_key, 0, 0, 'WITHSCORES')
-      if #top == 0 then break end
-      local line = name_prefix .. 'queue:' .. name .. ':' .. top[1]
-      while true do
-        local head = redis.call('LPOP', line)
-        if not head then break end
-        local waiter, deadline, served_weight = string.match(head, '^(.*)|(%d+)|([^|]*)$')
-        if deadline and tonumber(deadline) >= now then
-          if redis.call('LLEN', line) == 0 then
-            redis.call('ZREM', class_key, top[1])  -- idle tenants leave: no entry, no banked credit
-          else
-            redis.call('ZADD', class_key, tonumber(top[2]) + 1 / (tonumber(served_weight) or 1), top[1])
-          end
-          return waiter
-        end
-      end
-      redis.call('ZREM', class_key, top[1])
-    end
-  end
-  return nil
-end
-
--- Hand every free slot to the next waiters, waking each through its own list (`except` is the caller: not woken).
-local function hand_off(except)
-  local max_slots = tonumber(redis.call('GET', max_key) or '0')
-  local num_handed = 0
-  while redis.call('ZCARD', leases_key) < max_slots do
-    local waiter = next_waiter()
-    if not waiter then break end
-    redis.call('ZADD', leases_key, now + handoff_ttl, waiter)
-    if waiter ~= except then
-      local wake_key = name_prefix .. 'wake:' .. waiter
-      redis.call('RPUSH', wake_key, '1')
-      redis.call('PEXPIRE', wake_key, handoff_ttl)
-    end
-    num_handed = num_handed + 1
-  end
-  return num_handed
-end
--- <<< fair hand-off
 
 redis.call('SET', max_key, max_in_flight, 'PX', lease_ttl)
 redis.call('ZREMRANGEBYSCORE', leases_key, '-inf', now)
@@ -120,7 +66,7 @@ redis.call('PEXPIRE', tenants_key, keep_ms)
 -- A slot may be free with waiters in line (a holder's lease expired, max_in_flight was raised, or a gateway of
 -- the previous version released without serving the lines): hand it out in fair order, this waiter included.
 if redis.call('ZCARD', leases_key) < max_in_flight then
-  hand_off(lease_id)
+  hand_off(now, name_prefix, handoff_ttl, lease_id)
   if redis.call('ZSCORE', leases_key, lease_id) then return hold() end
 end
 return {0, entry}

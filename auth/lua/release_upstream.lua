@@ -23,63 +23,9 @@
 local leases_key, legacy_key, max_key, line_key = KEYS[1], KEYS[2], KEYS[3], KEYS[7]
 local lease_id, entry, name_prefix, handoff_ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local class, tenant = ARGV[5], ARGV[6]
-local CLASSES = {'high', 'normal', 'low'}
 local tenants_key = KEYS[({high = 4, normal = 5, low = 6})[class]]
 
 local now = now_ms()
-
--- >>> fair hand-off (kept identical in acquire_upstream.lua and release_upstream.lua; a test compares them)
--- The next live waiter in fair order, taken out of its line (expired waiters are dropped on the way), or nil.
-local function next_waiter()
-  while true do
-    local head = redis.call('LPOP', legacy_key)
-    if not head then break end
-    local waiter, deadline = string.match(head, '^(.*)|(%d+)$')
-    if deadline and tonumber(deadline) >= now then return waiter end
-  end
-  for i, name in ipairs(CLASSES) do
-    local class_key = KEYS[3 + i]
-    while true do
-      local top = redis.call('ZRANGE', class_key, 0, 0, 'WITHSCORES')
-      if #top == 0 then break end
-      local line = name_prefix .. 'queue:' .. name .. ':' .. top[1]
-      while true do
-        local head = redis.call('LPOP', line)
-        if not head then break end
-        local waiter, deadline, served_weight = string.match(head, '^(.*)|(%d+)|([^|]*)$')
-        if deadline and tonumber(deadline) >= now then
-          if redis.call('LLEN', line) == 0 then
-            redis.call('ZREM', class_key, top[1])  -- idle tenants leave: no entry, no banked credit
-          else
-            redis.call('ZADD', class_key, tonumber(top[2]) + 1 / (tonumber(served_weight) or 1), top[1])
-          end
-          return waiter
-        end
-      end
-      redis.call('ZREM', class_key, top[1])
-    end
-  end
-  return nil
-end
-
--- Hand every free slot to the next waiters, waking each through its own list (`except` is the caller: not woken).
-local function hand_off(except)
-  local max_slots = tonumber(redis.call('GET', max_key) or '0')
-  local num_handed = 0
-  while redis.call('ZCARD', leases_key) < max_slots do
-    local waiter = next_waiter()
-    if not waiter then break end
-    redis.call('ZADD', leases_key, now + handoff_ttl, waiter)
-    if waiter ~= except then
-      local wake_key = name_prefix .. 'wake:' .. waiter
-      redis.call('RPUSH', wake_key, '1')
-      redis.call('PEXPIRE', wake_key, handoff_ttl)
-    end
-    num_handed = num_handed + 1
-  end
-  return num_handed
-end
--- <<< fair hand-off
 
 redis.call('ZREM', leases_key, lease_id)
 if entry ~= '' then
@@ -87,4 +33,4 @@ if entry ~= '' then
   if redis.call('LLEN', line_key) == 0 then redis.call('ZREM', tenants_key, tenant) end
 end
 redis.call('ZREMRANGEBYSCORE', leases_key, '-inf', now)
-return hand_off('')
+return hand_off(now, name_prefix, handoff_ttl, '')
