@@ -130,8 +130,9 @@ class PricingConfig(BaseModel):
 class DeploymentConfig(LocalModelSettings):
     """One deployment entry. A `type: local` entry may set `LocalModelSettings`' fields (model_path,
     default_max_tokens, sampling_defaults, quantization, quantization_group_size, speculative): declared once in
-    `backends.config.LocalModelOptions` (which `LocalModelSettings` extends), with the engine settings' defaults; those the entry sets (`local_overrides`) replace the engine settings'
-    (`gateway.deployments.local_model_settings`), the others follow them. A null value counts as not set."""
+    `backends.config.LocalModelOptions` (which `LocalModelSettings` extends), with the engine settings' defaults;
+    those the entry sets (`local_overrides`) replace the engine settings' (`gateway.deployments.local_model_settings`),
+    the others follow them. A null value counts as not set."""
 
     model_config = ConfigDict(extra="forbid", frozen=False)
 
