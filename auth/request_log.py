@@ -144,6 +144,7 @@ class RequestLog:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task[None] | None = None
     _is_down: bool = False
+    _is_stopping: bool = False
 
     # -- writing ---------------------------------------------------------------------------------------------------
 
@@ -161,20 +162,27 @@ class RequestLog:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="request-log")
 
     async def aclose(self) -> None:
-        """Stop the background task and write what is buffered (best effort)."""
+        """Stop the background task and write what is buffered (best effort).
+
+        The task is asked to stop, not cancelled: cancelled inside `asyncio.wait_for` (Python 3.11, uvloop) it was
+        seen to stay "cancelling" forever, holding the server's shutdown until the server was abandoned."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            self._is_stopping = True
+            self._wake.set()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
             self._task = None
         with contextlib.suppress(StorageError):
             await self.flush()
 
     async def _run(self) -> None:
-        while True:
+        while not self._is_stopping:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.flush_interval_s)
+                async with asyncio.timeout(self.flush_interval_s):
+                    await self._wake.wait()
             self._wake.clear()
+            if self._is_stopping:
+                return  # aclose() writes what is left
             try:
                 await self.flush()
             except StorageError as exc:
