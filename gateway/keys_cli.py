@@ -261,12 +261,17 @@ def list_(
     """List keys (never their secrets)."""
     params: dict[str, Any] = {"limit": limit} | ({"after": after} if after else {})
     page = _call("GET", base_url, master_key, "/admin/keys", params=params)
+    _print_page(page, _RECORD_COLUMNS, "unigate keys list", as_json)
+
+
+def _print_page(page: dict[str, Any], columns: tuple[str, ...], command: str, as_json: bool) -> None:
+    """One page of an admin listing: its records' columns, and how to get the next page when there is one."""
     if as_json:
         typer.echo(orjson.dumps(page, option=orjson.OPT_INDENT_2).decode())
         return
-    _print_rows(_RECORD_COLUMNS, [[_cell(record.get(column)) for column in _RECORD_COLUMNS] for record in page["data"]])
+    _print_rows(columns, [[_cell(record.get(column)) for column in columns] for record in page["data"]])
     if page.get("has_more"):
-        _note(f"more: unigate keys list --after {page['last_id']}")
+        _note(f"more: {command} --after {page['last_id']}")
 
 
 @keys_app.command("show")

@@ -27,7 +27,7 @@ from gateway.keys_cli import (
     _cell,
     _fail,
     _limits_body,
-    _note,
+    _print_page,
     _print_record,
     _print_rows,
     _print_usage,
@@ -120,12 +120,7 @@ def list_(
     """List teams."""
     params: dict[str, Any] = {"limit": limit} | ({"after": after} if after else {})
     page = _call("GET", base_url, master_key, "/admin/teams", params=params)
-    if as_json:
-        typer.echo(orjson.dumps(page, option=orjson.OPT_INDENT_2).decode())
-        return
-    _print_rows(_TEAM_COLUMNS, [[_cell(team.get(column)) for column in _TEAM_COLUMNS] for team in page["data"]])
-    if page.get("has_more"):
-        _note(f"more: unigate teams list --after {page['last_id']}")
+    _print_page(page, _TEAM_COLUMNS, "unigate teams list", as_json)
 
 
 @teams_app.command("show")
