@@ -22,10 +22,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import operator
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import orjson
@@ -89,13 +90,28 @@ class RequestRecord:
     duration_ms: float = 0.0
 
     def to_json(self) -> bytes:
-        return orjson.dumps(self)  # orjson writes dataclasses itself (dataclasses.asdict costs ~13x more)
+        """The fields in declaration order, a JSON array (a third of the cost of an object with names)."""
+        return orjson.dumps(_FIELD_VALUES(self), default=_attempt_values, option=orjson.OPT_PASSTHROUGH_DATACLASS)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> RequestRecord:
         data = orjson.loads(raw)
-        data["attempts"] = tuple(AttemptRecord(**a) for a in data.get("attempts", ()))
-        return cls(**data)
+        if isinstance(data, dict):  # written by name
+            data["attempts"] = tuple(AttemptRecord(**a) for a in data.get("attempts", ()))
+            return cls(**data)
+        values = dict(zip(_FIELD_NAMES, data, strict=False))
+        values["attempts"] = tuple(AttemptRecord(*a) for a in values.get("attempts", ()))
+        return cls(**values)
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(RequestRecord))
+_FIELD_VALUES = operator.attrgetter(*_FIELD_NAMES)
+
+
+def _attempt_values(value: object) -> tuple[object, ...]:
+    if isinstance(value, AttemptRecord):
+        return (value.deployment, value.status, value.duration_ms, value.code, value.start_ms)
+    raise TypeError(f"not JSON: {type(value).__name__}")
 
 
 @dataclass(frozen=True, slots=True)

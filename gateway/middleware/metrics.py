@@ -47,6 +47,7 @@ class MetricsMiddleware:
             self.metrics.in_flight.dec()
             if not status:  # no response: the client left (499, as nginx counts it), else the app failed
                 status = ClientDisconnectedError.status_code if state.get("client_disconnected") else 500
+            state["status"] = status  # the request's trace reads it (gateway/middleware/request_trace.py)
             elapsed = time.perf_counter() - started
             route = scope.get("route")
             # The route template, never the raw path: unknown paths must not create unbounded label values.

@@ -11,7 +11,7 @@ fill the log.
 
 from __future__ import annotations
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from auth.request_log import RequestLog
 from gateway.errors import ClientDisconnectedError
@@ -32,21 +32,13 @@ class RequestTraceMiddleware:
             await self.app(scope, receive, send)  # health checks, metrics, admin, console: not model requests
             return
         trace = RequestTrace.begin(scope, self.tracing)
-        status = 0
-
-        async def send_with_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
         try:
-            await self.app(scope, receive, send_with_status)
+            await self.app(scope, receive, send)
         finally:
             state = scope.get("state") or {}
             client_left = bool(state.get("client_disconnected"))
-            if not status:
-                status = ClientDisconnectedError.status_code if client_left else 500
+            # The status the metrics middleware (inside this one) saw the client get, 499 when it left first.
+            status = state.get("status") or (ClientDisconnectedError.status_code if client_left else 500)
             record = trace.finish(
                 request_id=str(state.get("request_id", "")),
                 route=scope["path"],
