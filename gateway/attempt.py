@@ -28,7 +28,6 @@ from gateway.disconnect import unless_disconnected
 from gateway.errors import BackendError, GatewayError, InvalidRequestError, UpstreamTimeoutError, upstream_malformed
 from gateway.normalize import normalize_chunk, normalize_response
 from gateway.output_limits import clamp_for_upstream, take_backend_clamp
-from gateway.request_trace import RequestTrace
 from gateway.router import Deployment, Target
 from gateway.stream_accounting import USAGE_ENDPOINTS
 
@@ -55,7 +54,7 @@ class Attempt:
         self._clamped_here: tuple[int, int] | None = None
         self._slot_wait_s = 0.0
         self._started = 0.0
-        self._trace = RequestTrace.of(context.request_state)  # the request log's and the spans' notes
+        self._trace = context.trace  # the request log's and the spans' notes
         self._headers = context.forwarded_headers  # plus the attempt span's `traceparent` when tracing
 
     async def send(self) -> Json:

@@ -46,6 +46,7 @@ class CallContext:
     receive: Receive  # the ASGI channel the disconnect watch reads (gateway/disconnect.py)
     request_state: dict[str, Any]  # the ASGI scope's state, which the request metrics and the access log read
     session_id: str | None = None  # the client's `x-session-id` (routing: prefix_affinity keys requests by it)
+    trace: RequestTrace | None = None  # what the stages note for the request log and the spans (None: neither is on)
 
     def label_model(self, model_id: str) -> None:
         """Name the resolved model in the request's state: the request metrics and the access log label it."""
@@ -80,6 +81,7 @@ async def call_context(request: Request) -> CallContext:
         receive=request.receive,
         request_state=request_state,
         session_id=request.headers.get("x-session-id") or None,
+        trace=trace,
     )
 
 

@@ -149,7 +149,7 @@ class Ledger:
             )
             num_completions = _num_choices(body) * (count_prompts(body) if endpoint == "completions" else 1)
             num_max_tokens = per_choice * num_completions
-        trace = RequestTrace.of(context.request_state)
+        trace = context.trace
         with trace.stage("unigate.admission") if trace is not None else contextlib.nullcontext():
             admission = await context.access.admit(
                 context.credential,

@@ -36,7 +36,6 @@ from gateway.errors import GatewayError
 from gateway.ledger import Ledger, Usage
 from gateway.normalize import UPSTREAM_MODEL_HEADER, name_model, normalize_chunk, upstream_model_header
 from gateway.output_limits import CLAMP_HEADER, clamp_header_value
-from gateway.request_trace import RequestTrace
 from gateway.router import Deployment, Router, Target
 from gateway.routing_config import PricingConfig
 from gateway.stream_accounting import StreamAccount
@@ -55,7 +54,7 @@ async def open_call(
 ) -> Call:
     """Resolve `model` (404 naming close matches the caller may use), admit and reserve (403 / 429 / 503), and
     (streaming) open the upstream stream."""
-    if (trace := RequestTrace.of(context.request_state)) is not None:
+    if (trace := context.trace) is not None:
         trace.requested(endpoint, model, body, stream=stream)
     target = context.router.find(model)
     if target is None:
@@ -153,7 +152,7 @@ class Call:
         try:
             first, stream.first = stream.first, None
             if first is not None:
-                if (trace := RequestTrace.of(self._context.request_state)) is not None:
+                if (trace := self._context.trace) is not None:
                     trace.first_token()
                 out = account.accept(first)
                 self._context.metrics.ttft.labels(self.model).observe(time.perf_counter() - self._context.started_at)
@@ -165,7 +164,7 @@ class Call:
                     yield out
         except GatewayError as error:
             stream.attempt.record_stream_failure(error)
-            if (trace := RequestTrace.of(self._context.request_state)) is not None:
+            if (trace := self._context.trace) is not None:
                 trace.failed(error.code)  # after the response started: the record's and the span's error
             raise
         finally:
@@ -191,7 +190,7 @@ class Call:
     def _note_answer(self, attempt: Attempt, data: Json) -> None:
         """The headers of the attempt that answered: its clamp report, and the upstream's own model name (the answer
         itself names the model's public id)."""
-        if (trace := RequestTrace.of(self._context.request_state)) is not None:
+        if (trace := self._context.trace) is not None:
             trace.answered(attempt.deployment.name, self.served_model)
         clamped = attempt.clamped
         _set_header(self.headers, CLAMP_HEADER, None if clamped is None else clamp_header_value(clamped))
