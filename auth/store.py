@@ -68,8 +68,32 @@ def _optional_int(value: str | None) -> int | None:
     return int(value) if value not in (None, "") else None
 
 
+class BudgetCounters:
+    """What a key record and a team record both answer from their counters: what counts against a budget now."""
+
+    __slots__ = ()
+    budget_period: str
+    tokens_spent: int
+    period_key: str
+    period_spent: int
+    spend_micros: int
+    period_spend_micros: int
+
+    def budget_spent(self, now_ms: int) -> int:
+        """Tokens counted against the budget now: lifetime, or the current day/month."""
+        if self.budget_period == "total":
+            return self.tokens_spent
+        return self.period_spent if self.period_key == period_key(self.budget_period, now_ms) else 0
+
+    def budget_spend_micros(self, now_ms: int) -> int:
+        """Spend (micro-units) counted against `budget_usd` now: lifetime, or the current day/month."""
+        if self.budget_period == "total":
+            return self.spend_micros
+        return self.period_spend_micros if self.period_key == period_key(self.budget_period, now_ms) else 0
+
+
 @dataclass(frozen=True, slots=True)
-class KeyRecord:
+class KeyRecord(BudgetCounters):
     id: str
     name: str
     key_hash: str
@@ -137,18 +161,6 @@ class KeyRecord:
             weight=float(raw.get("weight") or 1.0),
             priority=raw.get("priority") or "normal",
         )
-
-    def budget_spent(self, now_ms: int) -> int:
-        """Tokens counted against the budget now: lifetime, or the current day/month."""
-        if self.budget_period == "total":
-            return self.tokens_spent
-        return self.period_spent if self.period_key == period_key(self.budget_period, now_ms) else 0
-
-    def budget_spend_micros(self, now_ms: int) -> int:
-        """Spend (micro-units) counted against `budget_usd` now: lifetime, or the current day/month."""
-        if self.budget_period == "total":
-            return self.spend_micros
-        return self.period_spend_micros if self.period_key == period_key(self.budget_period, now_ms) else 0
 
     def is_expired(self, now_ms: int) -> bool:
         return self.expires_at_ms is not None and self.expires_at_ms <= now_ms

@@ -22,7 +22,7 @@ from auth import redis_names, scripts
 from auth.keys import is_team_id, new_team_id
 from auth.redis_client import RedisClient, is_cluster
 from auth.scripts import DEFAULT_SCRIPTS, ScriptSet, as_text, storage_errors
-from auth.store import KeyStore, UsageRow, UsageTotals, encode_fields, period_key, team_not_found
+from auth.store import BudgetCounters, KeyStore, UsageRow, UsageTotals, encode_fields, team_not_found
 from gateway.errors import InvalidRequestError
 
 __all__ = ["TeamRecord", "TeamStore", "is_team_id"]
@@ -40,7 +40,7 @@ def _optional_int(value: str | None) -> int | None:
 
 
 @dataclass(frozen=True, slots=True)
-class TeamRecord:
+class TeamRecord(BudgetCounters):
     id: str
     name: str
     created_at_ms: int
@@ -94,18 +94,6 @@ class TeamRecord:
             version=int(raw.get("version") or 0),
             num_keys=num_keys,
         )
-
-    def budget_spent(self, now_ms: int) -> int:
-        """Tokens counted against the token budget now: lifetime, or the current day/month."""
-        if self.budget_period == "total":
-            return self.tokens_spent
-        return self.period_spent if self.period_key == period_key(self.budget_period, now_ms) else 0
-
-    def budget_spend_micros(self, now_ms: int) -> int:
-        """Spend (micro-units) counted against `budget_usd` now: lifetime, or the current day/month."""
-        if self.budget_period == "total":
-            return self.spend_micros
-        return self.period_spend_micros if self.period_key == period_key(self.budget_period, now_ms) else 0
 
 
 def _check(values: Mapping[str, Any]) -> dict[str, Any]:
