@@ -8,6 +8,7 @@
     headers = trace.attempt_started(deployment, host)      # gateway/attempt.py: `traceparent` for the upstream
     trace.slot_waited(started, ended)                      #   its wait for a max_in_flight slot
     trace.attempted(deployment, status, duration_s, code)  #   its end
+    trace.engine_stages(queued, scheduled, first, finished) #   the local engine's queue / prefill / decode
     trace.answered(deployment, model)                      # gateway/pipeline.py, the try that answered
     trace.first_token()                                    #   a stream's first chunk
     trace.settled(usage)  ...  trace.settle_done()         # gateway/ledger.py, the charge
@@ -68,6 +69,7 @@ class RequestTrace:
     tracing: Tracing | None = None
     span: Span | None = None  # the request's root span (tracing on)
     _attempt_span: Span | None = None
+    _last_attempt_span: Span | None = None  # the engine's stages hang under the attempt that ran them
     _stream_span: Span | None = None
     _settle_span: Span | None = None
 
@@ -142,6 +144,7 @@ class RequestTrace:
             kind=self.tracing.client_kind,
             attributes=attributes,
         )
+        self._last_attempt_span = span
         return self.tracing.headers_for(span)
 
     def slot_waited(self, started_perf: float, ended_perf: float) -> None:
@@ -163,6 +166,21 @@ class RequestTrace:
             if code:
                 _set_error(span, code)
             span.end()
+
+    def engine_stages(self, queued_ns: int, scheduled_ns: int, first_token_ns: int, finished_ns: int) -> None:
+        """The local engine's queue, prefill and decode as child spans of the attempt that ran them; the times
+        (wall clock, ns since the epoch) were taken in the engine's process. A stage not reached is 0."""
+        if self.tracing is None or self.span is None:
+            return
+        parent = self._last_attempt_span or self.span
+        stages = (
+            ("unigate.engine.queue", queued_ns, scheduled_ns),
+            ("unigate.engine.prefill", scheduled_ns, first_token_ns),
+            ("unigate.engine.decode", first_token_ns, finished_ns),
+        )
+        for name, start_ns, end_ns in stages:
+            if start_ns and end_ns >= start_ns:
+                self.tracing.start_child(parent, name, start_ns=start_ns).end(end_time=end_ns)
 
     def failed(self, code: str) -> None:
         """The request failed with this error code (the first one noted stays: a later one is its echo)."""
