@@ -210,3 +210,29 @@ def test_an_unsampled_request_exports_nothing(
     assert response.status_code == 200
     assert receiver.spans() == []
     assert "traceparent" not in fake_upstream.requests[-1].headers
+
+
+def test_a_parent_based_ratio_follows_the_clients_sampled_flag(
+    monkeypatch: pytest.MonkeyPatch, receiver: Receiver, fake_upstream: FakeUpstream
+) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    auth = {"authorization": f"Bearer {MASTER}"}
+    sampled = f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"
+    not_sampled = f"00-{'1' * 32}-{CLIENT_SPAN_ID}-00"
+    responses = run_gateway(
+        monkeypatch,
+        receiver,
+        fake_upstream,
+        [
+            {"url": "/v1/chat/completions", "json": body, "headers": auth},  # no parent: the ratio (0) decides
+            {"url": "/v1/chat/completions", "json": body, "headers": auth | {"traceparent": not_sampled}},
+            {"url": "/v1/chat/completions", "json": body, "headers": auth | {"traceparent": sampled}},
+        ],
+    )
+    assert [r.status_code for r in responses] == [200, 200, 200]
+    spans = receiver.spans()
+    assert spans and {s.trace_id.hex() for s in spans} == {CLIENT_TRACE_ID}
+    (root,) = [s for s in spans if s.name == "chat m"]
+    assert attributes(root)["unigate.request_id"] == responses[2].headers["x-request-id"]

@@ -1,0 +1,190 @@
+"""The gateway's own span records and their OTLP encoding, checked against opentelemetry-proto's decoder: any
+spans and attributes (hypothesis) come back field for field; the samplers follow the specification; W3C
+`traceparent` parsing accepts exactly the valid headers; the batch exporter bounds its queue, survives a failing
+collector and sends what is queued when it stops."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("opentelemetry.proto")
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from gateway.otlp_encoding import EncodedSpan, encode_attributes, encode_request
+from gateway.tracing import BatchExporter, Sampler, Tracing, parse_traceparent
+
+_ids = st.integers(min_value=1, max_value=2**64 - 1)
+_times = st.integers(min_value=0, max_value=2**63)
+_values = st.one_of(
+    st.text(max_size=40),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    st.floats(allow_nan=False),
+)
+_attributes = st.lists(st.tuples(st.text(min_size=1, max_size=30), _values), max_size=8)
+_spans = st.builds(
+    EncodedSpan,
+    span_id=_ids,
+    parent_id=st.one_of(st.just(0), _ids),
+    name=st.text(max_size=60),
+    kind=st.sampled_from([1, 2, 3]),
+    start_ns=_times,
+    end_ns=_times,
+    attributes=_attributes,
+    error_type=st.one_of(st.just(""), st.text(min_size=1, max_size=20)),
+    parent_is_remote=st.booleans(),
+)
+_traces = st.lists(
+    st.tuples(st.integers(min_value=1, max_value=2**128 - 1), st.text(max_size=30), st.lists(_spans, max_size=5)),
+    max_size=4,
+)
+
+
+def _value(any_value: object) -> object:
+    return getattr(any_value, any_value.WhichOneof("value"))  # type: ignore[attr-defined]
+
+
+@settings(max_examples=200, deadline=None)
+@given(_traces, st.dictionaries(st.text(min_size=1, max_size=20), _values, max_size=4))
+def test_what_is_encoded_decodes_field_for_field(
+    traces: list[tuple[int, str, list[EncodedSpan]]], resource: dict[str, object]
+) -> None:
+    body = encode_request(
+        encode_attributes(resource), "unigate", [(t.to_bytes(16, "big"), s, spans) for t, s, spans in traces]
+    )
+    request = ExportTraceServiceRequest()
+    request.ParseFromString(body)
+    (resource_spans,) = request.resource_spans
+    assert {a.key: _value(a.value) for a in resource_spans.resource.attributes} == resource
+    (scope_spans,) = resource_spans.scope_spans
+    assert scope_spans.scope.name == "unigate"
+    expected = [(trace_id, state, span) for trace_id, state, spans in traces for span in spans]
+    assert len(scope_spans.spans) == len(expected)
+    for decoded, (trace_id, state, span) in zip(scope_spans.spans, expected, strict=True):
+        assert decoded.trace_id == trace_id.to_bytes(16, "big")
+        assert decoded.span_id == span.span_id.to_bytes(8, "big")
+        assert decoded.parent_span_id == (span.parent_id.to_bytes(8, "big") if span.parent_id else b"")
+        assert decoded.trace_state == state
+        assert (decoded.name, decoded.kind) == (span.name, span.kind)
+        assert (decoded.start_time_unix_nano, decoded.end_time_unix_nano) == (span.start_ns, span.end_ns)
+        assert [(a.key, _value(a.value)) for a in decoded.attributes] == span.attributes
+        assert decoded.status.code == (decoded.status.STATUS_CODE_ERROR if span.error_type else 0)
+        assert decoded.flags & 0xFF == 1 and decoded.flags & 0x100
+        assert bool(decoded.flags & 0x200) == span.parent_is_remote
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        (
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            (0x4BF92F3577B34DA6A3CE929D0E0E4736, 0xF067AA0BA902B7, True),
+        ),
+        (
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00",
+            (0x4BF92F3577B34DA6A3CE929D0E0E4736, 0xF067AA0BA902B7, False),
+        ),
+        (
+            " 00-4BF92F3577B34DA6A3CE929D0E0E4736-00F067AA0BA902B7-01 ",
+            (0x4BF92F3577B34DA6A3CE929D0E0E4736, 0xF067AA0BA902B7, True),
+        ),
+        (
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-future",
+            (0x4BF92F3577B34DA6A3CE929D0E0E4736, 0xF067AA0BA902B7, True),
+        ),
+        ("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra", None),  # version 00 has no more fields
+        ("ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", None),
+        ("00-00000000000000000000000000000000-00f067aa0ba902b7-01", None),
+        ("00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01", None),
+        ("00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01", None),
+        ("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7", None),
+        ("00-zzf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", None),
+        ("", None),
+    ],
+)
+def test_traceparent_is_read_as_w3c_says(header: str, expected: tuple[int, int, bool] | None) -> None:
+    assert parse_traceparent(header) == expected
+
+
+def test_the_samplers_follow_the_specification() -> None:
+    def sampler(name: str, arg: str | None = None) -> Sampler:
+        environ = {"OTEL_TRACES_SAMPLER": name} | ({"OTEL_TRACES_SAMPLER_ARG": arg} if arg is not None else {})
+        return Sampler.from_env(environ)
+
+    low, high = 5, 2**64 - 5  # trace ids whose low 64 bits are tiny / huge
+    assert Sampler.from_env({}) == Sampler(parent_based=True, ratio=1.0)
+    assert sampler("always_on").is_sampled(high, False)  # not parent-based: the parent's flag is ignored
+    assert not sampler("always_off").is_sampled(low, True)
+    assert sampler("parentbased_always_off").is_sampled(low, True)
+    assert not sampler("parentbased_always_off").is_sampled(low, None)
+    assert not sampler("parentbased_always_on").is_sampled(low, False)
+    ratio = sampler("traceidratio", "0.25")
+    assert ratio.is_sampled(low, None) and not ratio.is_sampled(high, None)
+    assert ratio.is_sampled(2**64 // 4 - 1, None) and not ratio.is_sampled(2**64 // 4 + 1, None)
+    assert sampler("parentbased_traceidratio", "0").is_sampled(high, True)
+    assert sampler("traceidratio", "7").ratio == 1.0 and sampler("traceidratio", "x").ratio == 1.0
+    assert sampler("nonsense") == Sampler(parent_based=True, ratio=1.0)
+
+
+def test_a_traceidratio_keeps_about_its_share() -> None:
+    tracing = Tracing(BatchExporter(lambda body: True, b"", delay_s=60), Sampler(parent_based=True, ratio=0.1))
+    kept = sum(tracing.start_request((), "r", 1) is not None for _ in range(20_000))
+    tracing.shutdown()
+    assert 1_600 < kept < 2_400  # binomial(20000, 0.1): mean 2000, sd 42
+
+
+def _trace_of(tracing: Tracing, children: int) -> None:
+    root = tracing.start_request((), "r", 1)
+    assert root is not None
+    for _ in range(children):
+        tracing.start_child(root, "c", start_ns=2)  # left open: ends with the root
+    root.end(end_time=3)
+
+
+def test_the_queue_is_bounded_and_a_stop_sends_what_waits() -> None:
+    gate, bodies = threading.Event(), []
+
+    def send(body: bytes) -> bool:
+        gate.wait(30)
+        bodies.append(body)
+        return True
+
+    exporter = BatchExporter(
+        send, encode_attributes({"service.name": "t"}), delay_s=60, max_queue_spans=10, batch_spans=5
+    )
+    tracing = Tracing(exporter)
+    for _ in range(6):
+        _trace_of(tracing, 2)  # 3 spans each: the first three traces fit in 10 (the first wakes the thread at 5)
+    assert exporter.num_dropped >= 3
+    gate.set()
+    tracing.shutdown()
+    spans = []
+    for body in bodies:
+        request = ExportTraceServiceRequest()
+        request.ParseFromString(body)
+        spans += request.resource_spans[0].scope_spans[0].spans
+    assert len(spans) + exporter.num_dropped == 18 and exporter.num_sent == len(spans)
+    assert all(s.end_time_unix_nano == 3 for s in spans if s.name == "c")  # the open children ended with the root
+    roots = {s.span_id for s in spans if s.name == "r"}
+    assert all(s.parent_span_id in roots for s in spans if s.name == "c")
+
+
+def test_a_failing_collector_does_not_stop_the_exporter() -> None:
+    calls: list[int] = []
+
+    def send(body: bytes) -> bool:
+        calls.append(len(body))
+        if len(calls) == 1:
+            raise ConnectionError("collector gone")
+        return len(calls) > 2
+
+    exporter = BatchExporter(send, b"", delay_s=60, batch_spans=2)
+    tracing = Tracing(exporter)
+    for _ in range(3):
+        _trace_of(tracing, 1)  # 2 spans each: one batch per trace
+    tracing.shutdown()
+    assert len(calls) == 3 and exporter.num_sent == 2
