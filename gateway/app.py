@@ -91,6 +91,7 @@ def create_app(
                     if deployment.name not in provided:
                         built[deployment.name] = build_backend(deployment, settings)
             app.state.router = engine_collector.router = Router(routing, {**built, **provided})
+            metrics.watch_slo(app.state.router.slo_states)
             app.state.health_prober = prober = HealthProber(
                 app.state.router,
                 interval_s=settings.health_probe_interval_s,

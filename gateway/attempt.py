@@ -10,6 +10,10 @@ the local engine shares itself; upstream backends ignore it.
 A failure is explained for the client on its way out: a timeout says how long the request waited for the slot
 before it was sent; an upstream's own text about its failure goes to the log with the request id, never to the
 client (it may name internal hosts: backends.upstream_errors).
+
+A deployment of a model with `slo:` first admits the attempt under its live limit (`DeploymentSlo.admit`, which may
+wait in its fair queue or shed with 503 `overloaded`); the release hands the attempt's TTFT (the first chunk's, or
+the whole answer's) and a stream's TPOT to its window.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from gateway.errors import BackendError, GatewayError, InvalidRequestError, Upst
 from gateway.normalize import normalize_chunk, normalize_response
 from gateway.output_limits import clamp_for_upstream, take_backend_clamp
 from gateway.router import Deployment, Target
+from gateway.slo_admission import SloTicket, TimedStream
 from gateway.stream_accounting import USAGE_ENDPOINTS
 
 __all__ = ["Attempt", "OpenStream", "tenancy_of"]
@@ -54,6 +59,9 @@ class Attempt:
         self._clamped_here: tuple[int, int] | None = None
         self._slot_wait_s = 0.0
         self._started = 0.0
+        self._slo_ticket: SloTicket | None = None  # a place under the deployment's SLO limit, until released
+        self._ttft_s: float | None = None  # this attempt's, once it answered (for the SLO window)
+        self._timed: TimedStream | None = None  # an SLO model's stream, timed for its TPOT
         self._trace = context.trace  # the request log's and the spans' notes
         self._headers = context.forwarded_headers  # plus the attempt span's `traceparent` when tracing
 
@@ -78,6 +86,8 @@ class Attempt:
             await self.release()
             raise
         self._observe("ok")
+        if self._slo_ticket is not None:
+            self._ttft_s = time.perf_counter() - self._started  # non-streamed: TTFT = E2E
         await self.release()
         return data
 
@@ -107,6 +117,10 @@ class Attempt:
                 await self.release()
             raise
         self._observe("ok")
+        if self._slo_ticket is not None:
+            first_at = time.perf_counter()
+            self._ttft_s = first_at - self._started
+            chunks = self._timed = TimedStream(chunks, first_at)
         return OpenStream(self, chunks, first)
 
     def record_stream_failure(self, error: GatewayError) -> None:
@@ -119,6 +133,8 @@ class Attempt:
 
     async def release(self) -> None:
         """Give the deployment's slot back. Idempotent."""
+        if self._slo_ticket is not None:
+            self._release_slo()
         if not self._is_holding:
             return
         self._is_holding = False
@@ -142,9 +158,13 @@ class Attempt:
                 self._headers = {**(self._headers or {}), **traceparent}
         wait_started = time.perf_counter()
         try:
+            if (slo := self.deployment.slo) is not None:
+                self._slo_ticket = await slo.admit(self._context.principal)
             self._lease = await self._acquire()
         except BaseException as error:
             self._observe("error", error)
+            if self._slo_ticket is not None:
+                self._release_slo()
             raise
         self._slot_wait_s = time.perf_counter() - wait_started
         if self._trace is not None and self.deployment.config.max_in_flight is not None:
@@ -153,6 +173,15 @@ class Attempt:
         self._is_holding = True
         self._started = time.perf_counter()
         return body
+
+    def _release_slo(self) -> None:
+        """The place under the SLO limit back, with this attempt's latency when it answered."""
+        ticket, self._slo_ticket = self._slo_ticket, None
+        slo = self.deployment.slo
+        if ticket is None or slo is None:
+            return
+        tpot_s = self._timed.tpot_s() if self._timed is not None else None
+        slo.release(ticket, self._ttft_s, tpot_s)
 
     def _upstream_body(self, *, stream: bool) -> Json:
         if not self.deployment.backend.supports(self._endpoint):

@@ -10,7 +10,8 @@
     ├── LimitError                    429 rate_limit_error (rate_limit_exceeded, tokens_limit_exceeded, ...)
     │   └── BudgetExceededError       429 insufficient_quota (budget_exceeded)
     ├── UnavailableError              503 (limits_unavailable, upstream_at_capacity, server_shutting_down)
-    │   └── EngineLoadingError        503 engine_loading (the local model is still loading; with Retry-After)
+    │   ├── EngineLoadingError        503 engine_loading (the local model is still loading; with Retry-After)
+    │   └── OverloadedError           503 overloaded (shed by SLO-aware admission; with Retry-After)
     ├── BackendError                  502 api_error (upstream_error, upstream_unreachable, upstream_malformed_response,
     │   │                                            upstream_auth_failed)
     │   ├── UpstreamTimeoutError      504 upstream_timeout
@@ -43,6 +44,7 @@ __all__ = [
     "InvalidRequestError",
     "LimitError",
     "NotFoundError",
+    "OverloadedError",
     "PermissionDeniedError",
     "UnavailableError",
     "UpstreamOverloadedError",
@@ -193,6 +195,14 @@ class EngineLoadingError(UnavailableError):
     request after the load finishes is served."""
 
     code = "engine_loading"
+
+
+class OverloadedError(UnavailableError):
+    """A model with an `slo` could not start the request in time: every deployment it may use is at the concurrency
+    that meets the SLO and the request's wait in their queue ran out (or the queue was full). Never a cooldown: the
+    deployments are healthy, only busy (gateway/slo_admission.py)."""
+
+    code = "overloaded"
 
 
 def render_openai(error: GatewayError) -> bytes:

@@ -10,10 +10,12 @@ route template, `deployment` a configured deployment name.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 __all__ = ["CONTENT_TYPE", "KNOWN_ERROR_CODES", "OTHER", "GatewayMetrics"]
 
@@ -55,6 +57,7 @@ KNOWN_ERROR_CODES = frozenset(
         "model_not_found",
         "model_not_installed",
         "not_found",
+        "overloaded",
         "permission_denied",
         "rate_limit_exceeded",
         "request_not_found",
@@ -79,6 +82,18 @@ KNOWN_ERROR_CODES = frozenset(
         "upstream_unreachable",
     }
 )
+
+# SLO-aware admission, per deployment of a model with `slo` (gateway/slo_admission.py): state key -> (name, help)
+_SLO_GAUGES = {
+    "limit": ("unigate_slo_limit", "The live limit on requests in flight that keeps the deployment within its SLO."),
+    "num_in_flight": ("unigate_slo_in_flight", "Requests admitted under that limit and not finished."),
+    "num_queued": ("unigate_slo_queued", "Requests waiting for a place under the limit."),
+    "ttft_p50_ms": ("unigate_slo_ttft_p50_ms", "TTFT p50 over the deployment's recent requests (ms)."),
+    "ttft_p95_ms": ("unigate_slo_ttft_p95_ms", "TTFT p95 over the deployment's recent requests (ms)."),
+    "tpot_p50_ms": ("unigate_slo_tpot_p50_ms", "TPOT p50 over the deployment's recent streams (ms)."),
+    "tpot_p95_ms": ("unigate_slo_tpot_p95_ms", "TPOT p95 over the deployment's recent streams (ms)."),
+}
+SloStates = Callable[[], Iterable[tuple[str, str, dict[str, Any]]]]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -145,8 +160,14 @@ class GatewayMetrics:
         self._token_children: dict[str, tuple[Any, Any]] = {}
         self._model_labels: dict[str, str] | None = None
         self._wildcards: list[str] = []
+        self._slo = _SloCollector()
+        self.registry.register(self._slo)
         if model_ids is not None:
             self.bind_models(model_ids)
+
+    def watch_slo(self, states: SloStates) -> None:
+        """Where the SLO gauges are read at scrape time (`Router.slo_states`, once the router exists)."""
+        self._slo.states = states
 
     @property
     def has_models(self) -> bool:
@@ -199,6 +220,28 @@ class GatewayMetrics:
 
 
 _MAX_REMEMBERED_MODELS = 4096
+
+
+class _SloCollector(Collector):
+    """The `unigate_slo_*` gauges, labelled by model and deployment (configured names only)."""
+
+    def __init__(self) -> None:
+        self.states: SloStates | None = None
+
+    def describe(self) -> list[Metric]:
+        return []  # collected on demand: the router does not exist yet when the registry is built
+
+    def collect(self) -> Iterator[Metric]:
+        rows = list(self.states()) if self.states is not None else []
+        if not rows:
+            return
+        for key, (name, help_text) in _SLO_GAUGES.items():
+            gauge = GaugeMetricFamily(name, help_text, labels=["model", "deployment"])
+            for model, deployment, state in rows:
+                value = state.get(key)
+                if isinstance(value, int | float):
+                    gauge.add_metric([model, deployment], float(value))
+            yield gauge
 
 
 def error_label(code: str) -> str:

@@ -15,6 +15,11 @@ session id, from which `prefix_affinity` makes its key (gateway/prefix_hash.py).
 `prefix_affinity` a deployment whose replica stopped answering its metrics is not available. Retries, fallbacks,
 cooldowns and at-capacity handling are the same under every policy.
 
+A model with `slo:` gives each deployment a live concurrency limit and a fair queue (`Deployment.slo`,
+gateway/slo_admission.py): the pick prefers deployments with room under their limit and, when none has, the one
+whose queue is shortest per unit of limit; the attempt then waits there for its place (or is shed, 503
+`overloaded`: not retried, no fallback, no cooldown). A model without `slo` costs the pick one `is None` test.
+
 A 429 is retried even when no other deployment is left (a model with one deployment): the request that got it
 waits the upstream's Retry-After when that is at most `max_backoff_s` (the usual backoff when it sent none), then
 tries that deployment again; a longer Retry-After is the client's to wait, so the upstream's 429 goes back with it.
@@ -29,9 +34,9 @@ import difflib
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from backends.base import Backend, Json
 from backends.retry_after import parse_retry_after
@@ -46,6 +51,7 @@ from gateway.routing_config import (
     RoutingPolicy,
 )
 from gateway.routing_policies import ReplicaLoad, is_reachable, pick_by_policy, request_key
+from gateway.slo_admission import DeploymentSlo, with_room
 
 __all__ = ["Deployment", "ModelRoute", "Router", "Target"]
 
@@ -69,6 +75,7 @@ class Deployment:
     is_rate_limited: bool = False  # the cooldown is a 429's (see `ModelHealth`)
     models: dict[str, ModelHealth] = field(default_factory=dict)  # wildcard routes: health per requested model
     replica: ReplicaLoad = field(default_factory=ReplicaLoad)  # its `metrics_url`'s last report (least_load)
+    slo: DeploymentSlo | None = None  # the model's `slo`: its live limit, window and queue
 
     def health_of(self, model: str | None) -> ModelHealth | None:
         return None if model is None else self.models.get(model)
@@ -87,10 +94,17 @@ class ModelRoute:
     # Read once here, so that the default policy costs a request one attribute test: None for `least_in_flight`.
     policy: RoutingPolicy | None = field(init=False)
     reads_replicas: bool = field(init=False)  # least_load, prefix_affinity: the replicas' own load (`metrics_url`)
+    has_slo: bool = field(init=False)  # the model's `slo`: deployments admit under their live limits
 
     def __post_init__(self) -> None:
         self.policy = None if self.config.routing == "least_in_flight" else self.config.routing
         self.reads_replicas = self.policy in ("least_load", "prefix_affinity")
+        slo = self.config.slo
+        self.has_slo = slo is not None
+        if slo is not None:
+            for deployment in self.deployments:
+                seed = deployment.config.max_concurrency or self.config.seed_concurrency
+                deployment.slo = DeploymentSlo(slo, seed, name=deployment.name)
 
     @property
     def id(self) -> str:
@@ -270,6 +284,8 @@ class Router:
         if not available:
             return None
         fresh = [d for d in available if d.name not in exclude] or available
+        if route.has_slo:
+            fresh = with_room(fresh)
         if len(fresh) == 1:
             return fresh[0]
         if route.policy is not None:
@@ -277,6 +293,14 @@ class Router:
         best = min(d.num_in_flight / d.config.weight for d in fresh)
         ties = [d for d in fresh if d.num_in_flight / d.config.weight == best]
         return random.choices(ties, weights=[d.config.weight for d in ties])[0]
+
+    def slo_states(self) -> Iterator[tuple[str, str, dict[str, Any]]]:
+        """`(model id, deployment, DeploymentSlo.state())` of every deployment of a model with `slo`."""
+        for route in self.routes:
+            if route.has_slo:
+                for deployment in route.deployments:
+                    if deployment.slo is not None:
+                        yield route.id, deployment.name, deployment.slo.state()
 
     def _after_429(
         self, deployment: Deployment, retry_after: float | None, attempt_number: int, spent: set[str]

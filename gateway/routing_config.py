@@ -20,6 +20,7 @@ models:
                                  # true for `type: local` and for upstreams with context_length)
         metrics_url: http://gpu-1:8000/metrics  # optional: the replica's Prometheus metrics (vLLM, SGLang, unigate
                                  # engine serve), polled for `routing: least_load` / `prefix_affinity`
+        max_concurrency: 16      # optional, with `slo`: the live limit's start (else `slo_seed`'s, else 1)
     routing: least_in_flight     # least_in_flight (default) | round_robin | least_load | prefix_affinity
     affinity:                    # optional, for `routing: prefix_affinity`; these are the defaults
       block_chars: 256           # the request's leading text is hashed in blocks of this many characters
@@ -27,6 +28,14 @@ models:
       load_factor: 1.5           # bounded load: no deployment takes more than this times the mean load
       load_slack: 0              # ... plus this many requests
       session_keys: true         # x-session-id, prompt_cache_key, user, metadata.user_id key the request when sent
+    slo:                         # optional: SLO-aware admission (gateway/slo_admission.py); ttft_ms and/or tpot_ms
+      ttft_ms: 500               # p95 time to first token each deployment must keep
+      tpot_ms: 50                # p95 time per output token after the first
+      max_queue: 64              # requests that may wait per deployment; more are shed at once (503 overloaded)
+      max_wait_ms: 250           # a waiting request's deadline (default: half of ttft_ms, else 1000)
+      max_limit: 256             # the live limit's ceiling per deployment
+    slo_seed: runs/qwen.json     # optional: a `unigate bench --slo ... --out` file; its max concurrency meeting
+                                 # the SLO starts every deployment's limit (a path relative to the working directory)
     pricing:                     # optional: price per million tokens, charged to keys' spend (budget_usd)
       input_per_mtok: 0.15
       output_per_mtok: 0.60
@@ -57,6 +66,7 @@ Any problem is raised as `RoutingConfigError` whose message names the file, the 
 
 from __future__ import annotations
 
+import json
 import os
 from decimal import Decimal
 from pathlib import Path
@@ -68,6 +78,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SerializerFunctionWrapHandler,
     ValidationError,
     field_validator,
@@ -86,6 +97,7 @@ __all__ = [
     "RoutingConfig",
     "RoutingConfigError",
     "RoutingPolicy",
+    "SloConfig",
     "default_routing",
     "load_routing",
     "parse_routing",
@@ -161,6 +173,8 @@ class DeploymentConfig(LocalModelSettings):
     # The replica's Prometheus text (vLLM, SGLang, `unigate engine serve`): its own load, read every
     # `router.metrics_interval_s` for models with `routing: least_load` or `prefix_affinity`.
     metrics_url: str | None = None
+    # With the model's `slo`: where this deployment's live concurrency limit starts (the model's `slo_seed` else).
+    max_concurrency: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -244,6 +258,32 @@ class AffinityConfig(BaseModel):
     session_keys: bool = True
 
 
+class SloConfig(BaseModel):
+    """A model's SLO and its admission queue (gateway/slo_admission.py): at least one of `ttft_ms` / `tpot_ms`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ttft_ms: float | None = Field(default=None, gt=0)
+    tpot_ms: float | None = Field(default=None, gt=0)
+    max_queue: int = Field(default=64, ge=0, le=1_000_000)  # waiting requests per deployment
+    max_wait_ms: float | None = Field(default=None, gt=0)  # a waiting request's deadline; see `max_wait_s`
+    max_limit: int = Field(default=256, ge=1, le=1_000_000)  # the live limit's ceiling per deployment
+
+    @model_validator(mode="after")
+    def _check_targets(self) -> SloConfig:
+        if self.ttft_ms is None and self.tpot_ms is None:
+            raise ValueError("an `slo` needs `ttft_ms` and/or `tpot_ms` (e.g. slo: {ttft_ms: 500, tpot_ms: 50})")
+        return self
+
+    @property
+    def max_wait_s(self) -> float:
+        """How long a request may wait for a place: `max_wait_ms`, else half of `ttft_ms` (the other half is the
+        deployment's), else one second."""
+        if self.max_wait_ms is not None:
+            return self.max_wait_ms / 1000
+        return self.ttft_ms / 2000 if self.ttft_ms is not None else 1.0
+
+
 class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -253,6 +293,9 @@ class ModelConfig(BaseModel):
     pricing: PricingConfig | None = None  # None: requests of this model cost 0 (and usage says they are unpriced)
     routing: RoutingPolicy = "least_in_flight"
     affinity: AffinityConfig = Field(default_factory=AffinityConfig)
+    slo: SloConfig | None = None  # None: admitted as without SLO (no queue, no limit, no per-request work)
+    slo_seed: str | None = None  # a `unigate bench --slo ... --out` run file (read when the file is loaded)
+    _seed_concurrency: int | None = PrivateAttr(default=None)
 
     @field_validator("id")
     @classmethod
@@ -269,9 +312,44 @@ class ModelConfig(BaseModel):
                 deployment.name = f"{self.id}#{index}"
         return self
 
+    @model_validator(mode="after")
+    def _check_slo(self) -> ModelConfig:
+        if self.slo is None:
+            if self.slo_seed is not None or any(d.max_concurrency is not None for d in self.deployments):
+                raise ValueError("`slo_seed` and a deployment's `max_concurrency` need the model's `slo`; add one")
+            return self
+        if self.slo_seed is not None:
+            self._seed_concurrency = read_slo_seed(self.slo_seed)
+        return self
+
     @property
     def is_wildcard(self) -> bool:
         return self.id.endswith("*")
+
+    @property
+    def seed_concurrency(self) -> int | None:
+        """`slo_seed`'s max concurrency meeting the SLO (None without `slo_seed`)."""
+        return self._seed_concurrency
+
+
+def read_slo_seed(path: str) -> int:
+    """`slo_result.max_concurrency_meeting_slo` of a `unigate bench --slo ... --out` file (docs/bench.md)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(
+            f"cannot read `slo_seed` {path!r} ({exc.strerror}); give a `unigate bench --out` file"
+        ) from None
+    except ValueError:
+        raise ValueError(f"`slo_seed` {path!r} is not JSON; give a `unigate bench --slo ... --out` file") from None
+    result = data.get("slo_result") if isinstance(data, dict) else None
+    value = result.get("max_concurrency_meeting_slo") if isinstance(result, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"`slo_seed` {path!r} has no `slo_result.max_concurrency_meeting_slo` (a concurrency run with --slo whose "
+            "lowest level met the SLO); run `unigate bench --concurrency ... --slo ...` or set `max_concurrency`"
+        )
+    return value
 
 
 class RouterConfig(BaseModel):

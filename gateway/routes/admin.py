@@ -186,7 +186,9 @@ async def models(request: Request) -> Response:
     """`GET /admin/models`: the routing table as this instance sees it — ids, aliases, fallbacks, and per deployment
     its upstream host (never its key), state (and the reason of a `load_failed`), cooldown, the models of a wildcard
     deployment that cool down on their own, in-flight requests, and its attempts, errors and summed latency since
-    start (a reader takes differences between two reads for recent figures)."""
+    start (a reader takes differences between two reads for recent figures). A model with `slo` shows it, and each
+    of its deployments its admission state (`DeploymentSlo.state`: live limit, in flight, queued, shed, window
+    p50 / p95 TTFT and TPOT)."""
     await admin_store(request)
     router: Router = request.app.state.router
     prober: HealthProber = request.app.state.health_prober
@@ -216,6 +218,7 @@ async def models(request: Request) -> Response:
                     "num_attempts": int(counts.get("ok_count", 0) + counts.get("error_count", 0)),
                     "num_errors": int(counts.get("error_count", 0)),
                     "latency_sum_s": counts.get("ok_sum", 0.0) + counts.get("error_sum", 0.0),
+                    "slo": deployment.slo.state() if deployment.slo is not None else None,
                     **_cooling_models(deployment, now_wall, now_mono),
                 }
             )
@@ -224,6 +227,7 @@ async def models(request: Request) -> Response:
                 "id": route.id,
                 "aliases": list(route.config.aliases),
                 "fallbacks": list(router.fallbacks.get(route.id, [])),
+                "slo": route.config.slo.model_dump() if route.config.slo is not None else None,
                 "deployments": deployments,
             }
         )
