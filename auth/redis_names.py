@@ -237,9 +237,11 @@ REQUEST_LOG = PREFIX + "{reqlog}:log"  # the request log's stream (auth/request_
 
 
 def request_log_index_prefix() -> str:
-    """`ug:{reqlog}:id:`: request id -> its entry id in REQUEST_LOG (same tag: the append script derives these)."""
-    return PREFIX + "{reqlog}:id:"
+    """`ug:{reqlog}:ids:`: one hash a day (UTC), request id -> its entry id in REQUEST_LOG (same tag: the append
+    script derives these)."""
+    return PREFIX + "{reqlog}:ids:"
 
 
-def request_log_index(request_id: str) -> str:
-    return request_log_index_prefix() + request_id
+def request_log_index(day: int) -> str:
+    """The index of the requests logged on `day` (days since the epoch, by the writing gateway's clock)."""
+    return request_log_index_prefix() + str(day)

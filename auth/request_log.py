@@ -11,8 +11,9 @@ appends each batch with one script call (`auth/lua/append_request_log.lua`: XADD
 and a trim to the retention and the length cap). A Redis outage keeps the buffer (up to its bound, then the oldest
 records are dropped and counted) and retries on the next flush.
 
-    ug:{reqlog}:log          stream  entries: "r" record JSON, "k" key id, "t" team id, "m" model
-    ug:{reqlog}:id:<rid>     string  the entry id of request <rid> (expires with the retention)
+    ug:{reqlog}:log          stream  entries: "r" record JSON
+    ug:{reqlog}:ids:<day>    hash    request id -> entry id, for the requests logged that day (UTC, days since the
+                                     epoch); expires a retention after the day ends
 
 Both share the hash tag `{reqlog}`, so one script call touches one Redis Cluster slot.
 """
@@ -223,25 +224,32 @@ class RequestLog:
 
     async def _append(self, batch: Iterable[RequestRecord]) -> None:
         retention_ms = int(self.retention_days * _DAY_MS)
+        now_ms = int(self.clock() * 1000)
+        day = now_ms // _DAY_MS
         args: list[str | int | bytes] = [
-            int(self.clock() * 1000) - retention_ms,
+            now_ms - retention_ms,
             self.max_len,
-            retention_ms,
-            redis_names.request_log_index_prefix(),
+            redis_names.request_log_index(day),
+            (day + 1) * _DAY_MS + retention_ms,
         ]
         for record in batch:
-            args += [record.request_id, record.to_json(), record.key_id or "", record.team_id or "", record.model]
+            args += [record.request_id, record.to_json()]
         await _APPEND(self.redis, [redis_names.REQUEST_LOG], args)
 
     # -- reading ---------------------------------------------------------------------------------------------------
 
     async def get(self, request_id: str) -> RequestRecord | None:
+        """The record of `request_id`, looked up in the day indexes a retention back (newest first)."""
+        today = int(self.clock() * 1000) // _DAY_MS
+        days = range(today + 1, today - int(self.retention_days) - 2, -1)  # +1: a writer whose clock runs ahead
         async with storage_errors():
-            entry_id = await self.redis.get(redis_names.request_log_index(request_id))
-            if entry_id is None:
+            pipe = self.redis.pipeline(transaction=False)
+            for day in days:
+                pipe.hget(redis_names.request_log_index(day), request_id)
+            found = [as_text(e) for e in await pipe.execute() if e is not None]
+            if not found:
                 return None
-            entry_id = as_text(entry_id)
-            entries = await self.redis.xrange(redis_names.REQUEST_LOG, entry_id, entry_id, count=1)
+            entries = await self.redis.xrange(redis_names.REQUEST_LOG, found[0], found[0], count=1)
         return _record_of(entries[0]) if entries else None
 
     async def page(self, where: RequestFilter, *, limit: int = 50, cursor: str | None = None) -> RequestLogPage:
@@ -258,7 +266,7 @@ class RequestLog:
                 for entry in entries:
                     num_scanned += 1
                     high = f"({as_text(entry[0])}"
-                    if _prefilter(where, entry[1]) and where.matches(record := _record_of(entry)):
+                    if where.matches(record := _record_of(entry)):
                         found.append(record)
                         if len(found) == limit:
                             break
@@ -275,20 +283,6 @@ class RequestLog:
         if not entries:
             return [], entry_id
         return [_record_of(e) for e in entries], as_text(entries[-1][0])
-
-
-def _field(fields: dict[Any, Any], name: str) -> str:
-    value = fields.get(name, fields.get(name.encode(), b""))
-    return as_text(value)
-
-
-def _prefilter(where: RequestFilter, fields: Any) -> bool:
-    """The stored side fields decide most filters without parsing the record."""
-    return (
-        (where.key_id is None or _field(fields, "k") == where.key_id)
-        and (where.team_id is None or _field(fields, "t") == where.team_id)
-        and (where.model is None or _field(fields, "m") == where.model)
-    )
 
 
 def _record_of(entry: Any) -> RequestRecord:

@@ -132,8 +132,29 @@ async def test_retention_and_length_cap_are_enforced(redis: Redis) -> None:
     log.add(record(100))
     await log.flush()
     assert [r.request_id for r in (await log.page(RequestFilter(), limit=100)).records] == ["req-100"]
-    index_ttl_ms = await redis.pttl(redis_names.request_log_index("req-100"))
-    assert 6 * DAY_S * 1000 < index_ttl_ms <= 7 * DAY_S * 1000
+    # The index is one hash a day (by the writer's clock), expiring a retention after that day ends.
+    day = int(clock.now // DAY_S)
+    index = redis_names.request_log_index(day)
+    assert await redis.hkeys(index) in ([b"req-100"], ["req-100"])
+    expected_ttl_ms = (day + 1 + 7) * DAY_S * 1000 - (clock.now - 8 * DAY_S) * 1000  # Redis' clock is the real one
+    assert abs(await redis.pttl(index) - expected_ttl_ms) < 60_000
+    assert await log.get("req-100") is not None and await log.get("req-99") is None
+
+
+async def test_a_record_is_found_by_id_from_any_day_of_the_retention(redis: Redis) -> None:
+    clock = Clock()
+    log = RequestLog(redis, retention_days=3, clock=clock)
+    start = clock.now
+    for n in range(4):  # one record a day (by the writers' clock), today and the three days after
+        clock.now = start + n * DAY_S
+        log.add(record(n))
+        await log.flush()
+    assert [(await log.get(f"req-{n}")) is not None for n in range(4)] == [True] * 4
+    assert await log.get("req-9") is None
+    clock.now = start + 6 * DAY_S  # three days and more after them, req-0's and req-1's days are not read
+    assert [(await log.get(f"req-{n}")) is not None for n in range(4)] == [False, False, True, True]
+    clock.now = start  # a reader whose clock is days behind the writer's looks one day ahead, not three
+    assert [(await log.get(f"req-{n}")) is not None for n in range(4)] == [True, True, False, False]
 
 
 async def test_a_full_buffer_drops_the_oldest_and_counts_them(redis: Redis) -> None:
