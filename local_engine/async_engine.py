@@ -17,6 +17,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator
 from enum import Enum
 from typing import Any
@@ -34,6 +35,9 @@ logger = logging.getLogger("unigate.engine")
 # Failed steps in a row (no successful step between them) after which the engine gives up and stays DEAD: a fault
 # that survives a reset (e.g. a lost GPU) must not turn into an endless fail-restart loop.
 MAX_CONSECUTIVE_RESTARTS = 3
+
+
+_Added = tuple[str, list[int], SamplingParams, Tenancy, int]
 
 
 class EngineState(Enum):
@@ -54,8 +58,8 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        # (request id, prompt ids, params) of a request to add, or the id of one to abort
-        self._inbox: queue.SimpleQueue[tuple[str, list[int], SamplingParams, Tenancy] | str] = queue.SimpleQueue()
+        # (request id, prompt ids, params, tenancy, arrival) of a request to add, or the id of one to abort
+        self._inbox: queue.SimpleQueue[_Added | str] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams between the loop thread and the engine thread
@@ -104,7 +108,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._inbox.put((request_id, prompt_token_ids, params, tenancy))
+        self._inbox.put((request_id, prompt_token_ids, params, tenancy, time.time_ns()))  # its queue starts here
         self._wakeup.set()
         if not self._thread.is_alive():  # died after the first check: nobody would ever answer
             with self._lock:
@@ -164,12 +168,12 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(item, tuple):
-                request_id, prompt, params, tenancy = item
+                request_id, prompt, params, tenancy, queued_ns = item
                 with self._lock:
                     is_live = request_id in self._streams
                 if is_live:
                     try:
-                        engine.add_request(request_id, prompt, params, tenancy)
+                        engine.add_request(request_id, prompt, params, tenancy, queued_ns=queued_ns)
                     except LocalEngineError as error:  # e.g. a refusal: the request's stream raises it
                         self._deliver([(request_id, error)])  # (add_request registers nothing when it raises)
                     except Exception as error:  # validated already: fail this request alone, never the loop

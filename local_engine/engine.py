@@ -15,6 +15,7 @@ import itertools
 import logging
 import resource
 import sys
+import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from local_engine.model_runner import ModelRunner
 from local_engine.output_processor import (
     CompletionOutput,
     Detokenizer,
+    EngineStages,
     IncrementalDetokenizer,
     RequestOutput,
     accumulate,
@@ -57,14 +59,20 @@ class _Request:
     request_id: str
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer | None]
+    queued_ns: int = 0  # wall clock of its arrival in the engine (`EngineStages`)
+    first_token_ns: int = 0
 
     @property
     def is_finished(self) -> bool:
         seqs = self.seqs
         return seqs[0].is_finished if len(seqs) == 1 else all(s.is_finished for s in seqs)
 
+    def stages(self, finished_ns: int = 0) -> EngineStages:
+        """When it reached each stage (the first sequence is admitted first: its siblings wait for its prompt)."""
+        return EngineStages(self.queued_ns, self.seqs[0].scheduled_ns, self.first_token_ns, finished_ns)
+
     def final_output(self, outputs: list[CompletionOutput]) -> RequestOutput:
-        """The request's last output, with its speculative decoding totals."""
+        """The request's last output, with its speculative decoding totals and its stages (finished now)."""
         first = self.seqs[0]
         return RequestOutput(
             self.request_id,
@@ -74,6 +82,7 @@ class _Request:
             finished=True,
             num_spec_proposed=sum(s.num_spec_proposed for s in self.seqs),
             num_spec_accepted=sum(s.num_spec_accepted for s in self.seqs),
+            stages=self.stages(time.time_ns()),
         )
 
 
@@ -195,12 +204,16 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         tenancy: Tenancy = DEFAULT_TENANCY,
+        *,
+        queued_ns: int = 0,
     ) -> None:
-        """Queue a request; `tenancy` says whose share of the engine serves it (tenant, weight, priority)."""
+        """Queue a request; `tenancy` says whose share of the engine serves it (tenant, weight, priority).
+        `queued_ns`: when it arrived in the engine (`time.time_ns()`; 0: now), e.g. before it waited for a step."""
         if request_id in self.requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already running")
         max_tokens = self.validate(prompt_token_ids, params)
         request = self._build_request(request_id, prompt_token_ids, params, max_tokens, tenancy)
+        request.queued_ns = queued_ns or time.time_ns()
         self.requests[request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
@@ -311,12 +324,18 @@ class LLMEngine:
         for request_id, (request, outputs) in changed.items():
             if request_id in failed:
                 continue
+            is_first = not request.first_token_ns
+            if is_first:
+                request.first_token_ns = time.time_ns()
             if request.is_finished:
                 del self.requests[request_id]
                 results.append(request.final_output(outputs))
                 continue
             first = request.seqs[0]
-            results.append(RequestOutput(request_id, outputs, first.num_prompt_tokens, first.num_cached_tokens))
+            output = RequestOutput(request_id, outputs, first.num_prompt_tokens, first.num_cached_tokens)
+            if is_first:
+                output.stages = request.stages()
+            results.append(output)
         return results
 
     def _process_tokens(self, seq: Sequence, request: _Request, num_before: int) -> CompletionOutput:

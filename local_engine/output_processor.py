@@ -15,9 +15,17 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
-__all__ = ["CompletionOutput", "Detokenizer", "IncrementalDetokenizer", "RequestOutput", "TokenLogprob", "accumulate"]
+__all__ = [
+    "CompletionOutput",
+    "Detokenizer",
+    "EngineStages",
+    "IncrementalDetokenizer",
+    "RequestOutput",
+    "TokenLogprob",
+    "accumulate",
+]
 
 # Prompt tokens decoded with the first output tokens, so tokenizers that drop a leading space when decoding a
 # lone token (SentencePiece) still produce the right text.
@@ -159,6 +167,18 @@ class CompletionOutput:
     num_output_tokens: int = 0  # cumulative
 
 
+class EngineStages(NamedTuple):
+    """When a request reached each stage in the engine: wall clock (`time.time_ns()`, so another process of the host
+    can place them on its own timeline), 0 for a stage not reached. Queued: it arrived in the engine; scheduled: it
+    was first admitted to the running batch (its prefill starts); first token: its first token was sampled;
+    finished: it ended (done, aborted or failed)."""
+
+    queued_ns: int
+    scheduled_ns: int
+    first_token_ns: int
+    finished_ns: int
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -170,6 +190,9 @@ class RequestOutput:
     # On the final output: speculative decoding's proposed and accepted tokens over all choices (0: it never ran)
     num_spec_proposed: int = 0
     num_spec_accepted: int = 0
+    # On the request's first output (`finished_ns` 0 unless it is also the final one) and on its final output: what
+    # a stream cut in between still knows
+    stages: EngineStages | None = None
 
 
 def accumulate(deltas: list[RequestOutput], n: int) -> list[CompletionOutput]:

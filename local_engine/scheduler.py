@@ -197,6 +197,7 @@ class Scheduler:
             del self.waiting[index]
             if not seq.num_preemptions and not seq.num_computed_tokens:
                 self.fair.queue_time_s[seq.tenancy.tenant] += time.monotonic() - seq.arrival_time
+                seq.scheduled_ns = time.time_ns()
             self.block_manager.allocate(seq, computed, num_new)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.seq_id)

@@ -53,6 +53,7 @@ class Sequence:
         "params",
         "parent",
         "request_id",
+        "scheduled_ns",
         "seq_id",
         "spec_token_ids",
         "status",
@@ -91,6 +92,7 @@ class Sequence:
         self.parent = parent
         self.tenancy = tenancy  # whose share of the engine serves it (local_engine/fair_share.py)
         self.arrival_time = time.monotonic()
+        self.scheduled_ns = 0  # wall clock of its first admission to the running batch (`time.time_ns()`)
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
