@@ -54,7 +54,9 @@ _MAX_SCANNED = 20_000  # a filtered page reads at most this many entries, then r
 _APPEND = LuaScript("append_request_log")
 
 
-@dataclass(frozen=True, slots=True)
+# Records are not frozen: a frozen dataclass' __init__ sets each field through object.__setattr__, 2.6 vs 0.6 us
+# for a RequestRecord, paid on every request. Nothing changes one after it is made.
+@dataclass(slots=True)
 class AttemptRecord:
     """One try at one deployment: its HTTP status (0: no answer), duration and error code ("" on success)."""
 
@@ -65,7 +67,7 @@ class AttemptRecord:
     start_ms: float = 0.0  # when it started, after the request arrived
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestRecord:
     time_ms: int  # when the request arrived (ms since the epoch)
     request_id: str
