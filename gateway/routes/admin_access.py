@@ -10,6 +10,7 @@ master key; otherwise it is read from settings or the data directory).
 from __future__ import annotations
 
 import hmac
+import time
 from typing import Any
 
 import orjson
@@ -18,14 +19,14 @@ from starlette.responses import Response
 
 from auth.base import extract_credential
 from auth.master_key import read_master_key
-from auth.store import KeyStore
+from auth.store import KeyRecord, KeyStore
 from auth.teams import TeamStore
 from gateway.client_address import client_address
 from gateway.errors import AuthError, InvalidRequestError, PermissionDeniedError
 from gateway.routes.ui import auth_limiter, has_session_cookie, require_session, too_many_attempts
 from gateway.settings import Settings
 
-__all__ = ["admin_store", "int_param", "json_response", "team_store"]
+__all__ = ["admin_or_key", "admin_store", "int_param", "json_response", "team_store"]
 
 
 def json_response(data: dict[str, Any], status_code: int = 200) -> Response:
@@ -38,10 +39,21 @@ async def admin_store(request: Request) -> KeyStore:
 
     A wrong key counts against its client address like a console login (`gateway.routes.ui.auth_limiter`); an
     address over the limit is refused before its key is compared, so a blocked guesser learns nothing."""
+    await _caller(request, is_key_allowed=False)
+    store: KeyStore = request.app.state.key_store
+    return store
+
+
+async def admin_or_key(request: Request) -> KeyRecord | None:
+    """None once the caller has proven to hold the master key (or a console session), as `admin_store`; else the
+    record of the live API key it sent, for the admin routes a key owner may call about its own key."""
+    return await _caller(request, is_key_allowed=True)
+
+
+async def _caller(request: Request, *, is_key_allowed: bool) -> KeyRecord | None:
     if "authorization" not in request.headers and "x-api-key" not in request.headers and has_session_cookie(request):
         await require_session(request, is_state_changing=request.method not in ("GET", "HEAD"))
-        session_store: KeyStore = request.app.state.key_store
-        return session_store
+        return None
     client, limiter = client_address(request), auth_limiter(request)
     window = await limiter.check(client.address, client.peer)
     if window.is_blocked:
@@ -49,12 +61,14 @@ async def admin_store(request: Request) -> KeyStore:
     credential = extract_credential(request.headers)
     master_key = getattr(request.app.state, "master_key", None) or _read_master_key(request.app.state.settings)
     if master_key is not None and hmac.compare_digest(credential.encode(), master_key.encode()):
-        store: KeyStore = request.app.state.key_store
-        return store
-    await limiter.count(client.address, client.peer)
-    store = request.app.state.key_store
+        return None
+    store: KeyStore = request.app.state.key_store
     record = await store.find_by_secret(credential)
-    if record is not None and not record.is_revoked:
+    is_live = record is not None and not record.is_revoked
+    if is_key_allowed and record is not None and is_live and not record.is_expired(int(time.time() * 1000)):
+        return record
+    await limiter.count(client.address, client.peer)
+    if is_live:
         raise PermissionDeniedError(
             "The admin API needs the master key; this is a normal API key. Use the master key "
             "(UNIGATE_MASTER_KEY or the data directory's master_key file).",

@@ -1,5 +1,7 @@
-"""`GET /admin/requests` and `GET /admin/requests/{request_id}`: the request log (auth/request_log.py), master key
-or console session only, like the rest of the admin API.
+"""`GET /admin/requests` and `GET /admin/requests/{request_id}`: the request log (auth/request_log.py), for the
+master key or a console session, and for an API key's owner its own key's records only: read with that key, a
+listing keeps that key's records (asking for another key's or team's: 403 `admin_only`) and another key's record
+is not found (404, as if it did not exist).
 
     GET /admin/requests?key=&team=&model=&deployment=&status=&code=&since=&until=&limit=&cursor=
         newest first; `since` / `until` are RFC 3339 times or ms since the epoch; `next_cursor` continues
@@ -22,8 +24,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from auth.request_log import RequestFilter, RequestLog, RequestRecord
-from gateway.errors import InvalidRequestError, NotFoundError, UnavailableError
-from gateway.routes.admin_access import admin_store as require_admin
+from auth.store import KeyRecord
+from gateway.errors import InvalidRequestError, NotFoundError, PermissionDeniedError, UnavailableError
+from gateway.routes.admin_access import admin_or_key
 
 __all__ = ["record_json", "request_log_routes"]
 
@@ -109,15 +112,23 @@ def _int_param(request: Request, name: str, default: int, *, low: int, high: int
     return int(raw)
 
 
-def _filter(request: Request) -> RequestFilter:
+def _filter(request: Request, owner: KeyRecord | None) -> RequestFilter:
     params = request.query_params
     status = params.get("status")
     if status is not None and not (status.isdigit() and 100 <= int(status) <= 599):
         raise InvalidRequestError("Query parameter 'status' must be an HTTP status (100-599).", param="status")
-    key = params.get("key")
+    key, team = params.get("key"), params.get("team")
+    key_id = "" if key == "master" else key
+    if owner is not None:
+        if key_id not in (None, owner.id) or team not in (None, owner.team_id):
+            raise PermissionDeniedError(
+                "An API key reads only its own key's records; other keys' and teams' need the master key.",
+                code="admin_only",
+            )
+        key_id = owner.id
     return RequestFilter(
-        key_id="" if key == "master" else key,
-        team_id=params.get("team"),
+        key_id=key_id,
+        team_id=team,
         model=params.get("model"),
         deployment=params.get("deployment"),
         status=int(status) if status is not None else None,
@@ -128,20 +139,22 @@ def _filter(request: Request) -> RequestFilter:
 
 
 async def list_requests(request: Request) -> Response:
-    await require_admin(request)
+    owner = await admin_or_key(request)
     log = _request_log(request)
     after = request.query_params.get("after")
     if after is not None:
         if after != "now" and not _is_entry_id(after):
             raise InvalidRequestError("Query parameter 'after' must be 'now' or a position this API returned.")
+        where = _filter(request, owner) if owner is not None else RequestFilter()
         limit = _int_param(request, "limit", 100, low=1, high=_MAX_PAGE)
         records, position = await log.after(None if after == "now" else after, limit=limit)
-        return _json({"object": "list", "data": [record_json(r) for r in records], "position": position})
+        data = [record_json(r) for r in records if where.matches(r)]  # the position moves past the others too
+        return _json({"object": "list", "data": data, "position": position})
     cursor = request.query_params.get("cursor")
     if cursor is not None and not _is_entry_id(cursor):
         raise InvalidRequestError("Query parameter 'cursor' must be a next_cursor this API returned.", param="cursor")
     limit = _int_param(request, "limit", _DEFAULT_PAGE, low=1, high=_MAX_PAGE)
-    page = await log.page(_filter(request), limit=limit, cursor=cursor)
+    page = await log.page(_filter(request, owner), limit=limit, cursor=cursor)
     return _json(
         {
             "object": "list",
@@ -153,10 +166,10 @@ async def list_requests(request: Request) -> Response:
 
 
 async def get_request(request: Request) -> Response:
-    await require_admin(request)
+    owner = await admin_or_key(request)
     request_id = request.path_params["request_id"]
     record = await _request_log(request).get(request_id)
-    if record is None:
+    if record is None or (owner is not None and record.key_id != owner.id):  # another key's: as if unknown
         raise NotFoundError(
             f"No request {request_id!r} in the request log (unknown, or older than its retention).",
             code="request_not_found",
