@@ -41,10 +41,13 @@ wake-up list) build it from a `*_prefix` below, which carries the same tag.
                                              the current minute (expires after it)
     ug:auth_peer:<peer ip>           string  the same, counted per trusted proxy for the clients it forwards
     ug:{reqlog}:log                  stream  the request log: one entry per finished request (auth/request_log.py)
-    ug:{reqlog}:id:<request id>      string  → its entry id in the log (expires with the retention)
+    ug:{reqlog}:ids:<day>            hash    request id → its entry id in the log, for the requests of one day
+                                             (expires a retention after the day ends)
     ug:events                        pubsub  record changes: "<key id>" → drop cached copies of that key, "<team id>"
                                              → of every key of that team (PUBLISH reaches every node of a cluster,
                                              so any node may be subscribed to)
+    ug:placements                    pubsub  prefix_affinity moves, [instance, [[model, key hex, deployment], ...]]
+                                             (gateway/placement_sync.py)
 
 A key and its team live in different slots: no script touches both (docs/keys-and-limits.md, "Teams": the two
 admissions are pipelined together and compensated). The global names (`ug:keys`, `ug:keys:seq`, `ug:teams`,
@@ -59,6 +62,7 @@ __all__ = [
     "KEY_INDEX",
     "KEY_SEQUENCE",
     "MASTER_ID",
+    "PLACEMENTS_CHANNEL",
     "PREFIX",
     "REQUEST_LOG",
     "TEAM_INDEX",
@@ -102,6 +106,7 @@ KEY_SEQUENCE = PREFIX + "keys:seq"  # creation counter: the KEY_INDEX score
 TEAM_INDEX = PREFIX + "teams"
 TEAM_SEQUENCE = PREFIX + "teams:seq"
 EVENTS_CHANNEL = PREFIX + "events"
+PLACEMENTS_CHANNEL = PREFIX + "placements"  # prefix_affinity's moves between gateway instances
 MASTER_ID = "master"  # usage of the master key is recorded under this pseudo id
 
 

@@ -91,6 +91,9 @@ class ModelRoute:
     deployments: list[Deployment] = field(default_factory=list)
     num_picks: int = 0  # `routing: round_robin`'s position
     placements: OrderedDict[bytes, str] = field(default_factory=OrderedDict)  # prefix_affinity: key -> deployment
+    # prefix_affinity: told of each move (a key sent elsewhere than before, or a new key off its first choice), to
+    # share it with the other gateway instances (gateway/placement_sync.py)
+    on_move: Callable[[ModelRoute, bytes, str], None] | None = None
     # Read once here, so that the default policy costs a request one attribute test: None for `least_in_flight`.
     policy: RoutingPolicy | None = field(init=False)
     reads_replicas: bool = field(init=False)  # least_load, prefix_affinity: the replicas' own load (`metrics_url`)

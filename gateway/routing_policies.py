@@ -14,7 +14,9 @@
   second choice, the same one everywhere.
   Each gateway remembers where it last sent a key (`ModelRoute.placements`, the `MAX_PLACEMENTS` most recent) and
   sends it there again while that deployment is within the bound, so a conversation that spilled stays where its
-  prefix now is instead of moving back and forth with the load. Loads are `least_load`'s.
+  prefix now is instead of moving back and forth with the load, and tells the other instances of each move
+  (gateway/placement_sync.py), so a conversation's next turn follows it whichever instance takes it. Loads are
+  `least_load`'s.
 
 A deployment whose metrics poll failed `MAX_METRICS_FAILS` times in a row gets no new requests under `least_load` and
 `prefix_affinity` until a poll succeeds (`is_reachable`).
@@ -112,7 +114,11 @@ def pick_by_policy(
         candidates = [Candidate(d.name, d.config.weight, load_of(d, now, stale_s)) for d in fresh]
         affinity = route.config.affinity
         placements = route.placements
-        name = choose_bounded(key, candidates, affinity.load_factor, affinity.load_slack, placements.get(key))
+        before = placements.get(key)
+        name = choose_bounded(key, candidates, affinity.load_factor, affinity.load_slack, before)
+        if name != before and route.on_move is not None:
+            if before is not None or rendezvous_order(key, candidates)[0].name != name:
+                route.on_move(route, key, name)  # a move the other gateway instances should know of
         placements[key] = name
         placements.move_to_end(key)
         if len(placements) > MAX_PLACEMENTS:
