@@ -11,10 +11,12 @@ gateway, adapted to the SLO it meets, and a bounded fair queue in front of it wi
   after the first) in a sliding window of the `WINDOW_REQUESTS` most recent, whose p50 and p95 are shown. Failed
   attempts free their place without a sample.
 - **The limit (AIMD).** Every `max(MIN_EPOCH_REQUESTS, limit)` samples of requests admitted under the current limit
-  make an epoch. An epoch whose p95 TTFT or p95 TPOT is above the SLO multiplies the limit by `DECREASE_FACTOR`
-  (rounded down, at least 1) and starts a new generation: the requests still running from before the decrease do
-  not judge the new limit. An epoch that meets the SLO while the limit was reached adds one (up to `slo.max_limit`).
-  Without a seed the limit starts at 1 and doubles per good epoch until the first break (slow start).
+  make an epoch (`limit` samples in slow start). An epoch whose p95 TTFT or p95 TPOT is above the SLO multiplies the
+  limit by `DECREASE_FACTOR` (rounded down, at least 1) and starts a new generation: the requests still running from
+  before the decrease do not judge the new limit. An epoch that meets the SLO while the limit was reached adds one
+  (up to `slo.max_limit`).
+  Without a seed the limit starts at 1 and doubles per good epoch (slow start) until an epoch's p95 passes
+  `SLOW_START_EXIT` of the SLO's, or breaks it.
 - **The queue.** A request that finds the deployment at its limit waits, in the tenants' fair order (`FairQueue`:
   priority class first, then the tenant served fewest times per unit of weight, FIFO within a tenant: the order of
   auth/lua/_fair_handoff.lua), at most `slo.max_wait_s`; a freed place is handed to the next waiter at once, so
@@ -43,6 +45,7 @@ from gateway.routing_config import SloConfig
 __all__ = [
     "DECREASE_FACTOR",
     "MIN_EPOCH_REQUESTS",
+    "SLOW_START_EXIT",
     "WINDOW_REQUESTS",
     "DeploymentSlo",
     "FairQueue",
@@ -54,6 +57,7 @@ __all__ = [
 ]
 
 DECREASE_FACTOR = 0.7  # the limit after an epoch that broke the SLO, times the limit before
+SLOW_START_EXIT = 0.8  # slow start ends at an epoch whose p95 is above this share of the SLO's
 MIN_EPOCH_REQUESTS = 8  # the fewest samples that judge a limit
 WINDOW_REQUESTS = 100  # the sliding window's length (the p50 / p95 shown)
 _PRIORITY_RANKS = {"high": 0, "normal": 1, "low": 2}
@@ -196,6 +200,12 @@ class DeploymentSlo:
         return len(self._queue)
 
     @property
+    def epoch_size(self) -> int:
+        """The samples that judge the current limit: one round of it in slow start (it doubles once per round, as
+        TCP's window does per round trip), else at least `MIN_EPOCH_REQUESTS`."""
+        return self.limit if self.is_slow_start else max(MIN_EPOCH_REQUESTS, self.limit)
+
+    @property
     def has_room(self) -> bool:
         return self.num_admitted < self.limit and not self._queue
 
@@ -257,28 +267,31 @@ class DeploymentSlo:
             epoch.ttfts.append(ttft_s)
         if tpot_s is not None:
             epoch.tpots.append(tpot_s)
-        if epoch.num_samples >= max(MIN_EPOCH_REQUESTS, self.limit):
+        if epoch.num_samples >= self.epoch_size:
             self._adapt(epoch)
 
     def _adapt(self, epoch: _Epoch) -> None:
-        if self._breaks(epoch):
+        load = self._load(epoch)  # the epoch's p95 over the SLO's, the worse of TTFT and TPOT
+        if load > 1.0:
             self.limit = max(1, math.floor(self.limit * DECREASE_FACTOR))
             self.is_slow_start = False
             self.generation += 1
             self.num_decreases += 1
         elif epoch.peak_admitted >= self.limit and self.limit < self.config.max_limit:
+            if self.is_slow_start and load > SLOW_START_EXIT:
+                self.is_slow_start = False  # close to the SLO: from here one at a time
             grown = self.limit * 2 if self.is_slow_start else self.limit + 1
             self.limit = min(grown, self.config.max_limit)
             self.num_increases += 1
         self._epoch = _Epoch(peak_admitted=self.num_admitted)
 
-    def _breaks(self, epoch: _Epoch) -> bool:
-        config = self.config
+    def _load(self, epoch: _Epoch) -> float:
+        config, load = self.config, 0.0
         for target_ms, values in ((config.ttft_ms, epoch.ttfts), (config.tpot_ms, epoch.tpots)):
             p95 = percentile(sorted(values), 0.95)
-            if target_ms is not None and p95 is not None and p95 * 1000 > target_ms:
-                return True
-        return False
+            if target_ms is not None and p95 is not None:
+                load = max(load, p95 * 1000 / target_ms)
+        return load
 
     # -- the queue --------------------------------------------------------------------------------------------
 

@@ -160,7 +160,7 @@ async def fill(state: DeploymentSlo, n: int) -> list[Any]:
 
 async def one_epoch(state: DeploymentSlo, ttft_s: float, tpot_s: float | None = None) -> None:
     """An epoch's worth of requests, each admitted with the limit fully used, then released with this latency."""
-    for _ in range(max(MIN_EPOCH_REQUESTS, state.limit)):
+    for _ in range(state.epoch_size):
         tickets = await fill(state, state.limit - state.num_admitted)
         state.release(tickets[0] if tickets else await state.admit(A), ttft_s, tpot_s)
         for ticket in tickets[1:]:
@@ -213,6 +213,16 @@ async def test_without_a_seed_the_limit_starts_at_one_and_doubles_until_the_firs
     assert state.limit == 8 and not state.is_slow_start
     await one_epoch(state, ttft_s=0.05)
     assert state.limit == 9
+
+
+async def test_slow_start_ends_when_the_latency_nears_the_slo() -> None:
+    state = DeploymentSlo(slo())
+    assert state.epoch_size == 1  # one round of the limit
+    await one_epoch(state, ttft_s=0.05)
+    assert state.limit == 2
+    await one_epoch(state, ttft_s=0.09)  # within the SLO, but past SLOW_START_EXIT of it
+    assert state.limit == 3 and not state.is_slow_start
+    assert state.epoch_size == MIN_EPOCH_REQUESTS
 
 
 async def test_a_non_streamed_answer_counts_its_whole_time_as_ttft_and_judges_only_that() -> None:
