@@ -138,6 +138,11 @@ class RedisAccess:
     # -- `AccessStats` (the failure policy's counters) ---------------------------------------------------------
 
     @property
+    def redis(self) -> RedisClient:
+        """The connection, for the gateway's other shared state (prefix_affinity's placements)."""
+        return self._redis
+
+    @property
     def num_storage_errors(self) -> int:
         return self._failures.num_storage_errors
 

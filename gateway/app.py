@@ -25,11 +25,11 @@ from backends.base import Backend
 from gateway.access_metrics import AccessStatsCollector
 from gateway.deployments import build_backend
 from gateway.engine_metrics import EngineStatsCollector
-from gateway.health_probe import HealthProber
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import build_middleware, http_exception_handler
 from gateway.replica_metrics import ReplicaMetricsPoller
 from gateway.router import Router
+from gateway.router_tasks import RouterTasks
 from gateway.routes import anthropic, health_routes, openai_routes, responses
 from gateway.routes.ui import console_routes
 from gateway.routing_config import RoutingConfig, default_routing, load_routing
@@ -78,7 +78,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         built: dict[str, Backend] = {}
-        prober: HealthProber | None = None
+        tasks: RouterTasks | None = None
         app.state.replica_metrics = poller = ReplicaMetricsPoller()
         start = getattr(access, "start", None)
         if start is not None:
@@ -92,20 +92,18 @@ def create_app(
                         built[deployment.name] = build_backend(deployment, settings)
             app.state.router = engine_collector.router = Router(routing, {**built, **provided})
             metrics.watch_slo(app.state.router.slo_states)
-            app.state.health_prober = prober = HealthProber(
-                app.state.router,
-                interval_s=settings.health_probe_interval_s,
-                timeout_s=settings.health_probe_timeout_s,
-            )
-            prober.start()
-            poller.start(app.state.router)
+            tasks = RouterTasks(app.state.router, settings, access, poller)
+            app.state.health_prober = tasks.prober
+            tasks.start()
             yield
         finally:
             # Shutdown (after the server stopped accepting and in-flight requests finished or were cut):
-            # 0. stop the health probes and replica metrics polls; 1. close the upstream pools and engines we built;
-            if prober is not None:
-                await prober.stop()
-            await poller.stop()
+            # 0. stop the router's background work (gateway/router_tasks.py); 1. close the upstream pools and
+            # engines we built;
+            if tasks is not None:
+                await tasks.stop()
+            else:
+                await poller.stop()
             for name, backend in built.items():
                 try:
                     await backend.aclose()
