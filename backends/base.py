@@ -5,9 +5,9 @@ adds what the backend needs, e.g. `stream_options.include_usage`). Backends rais
 (`BackendError` and subclasses, `EngineError`); they never return error payloads as data.
 
 Optional capabilities are declared here as runtime-checkable protocols (`ReportsHealthState`, `CountsPromptTokens`,
-`FitsOutput`, `ReportsEngineStats`; of a stream: `ReportsStreamUsage`), and the gateway asks for them with
-`isinstance`, never with `getattr`. Such a check costs microseconds: on a per-request path, remember its answer per
-backend class (`gateway.output_limits` does).
+`FitsOutput`, `ReportsEngineStats`; of a stream: `ReportsStreamUsage`, `ReportsEngineStages`), and the gateway asks
+for them with `isinstance`, never with `getattr`. Such a check costs microseconds: on a per-request path, remember its
+answer per backend class (`gateway.output_limits` does).
 
 Each call says whose it is (`Tenancy`: the caller's tenant, weight and priority class): the local engine shares
 itself between tenants by it (local_engine/fair_share.py); upstream backends ignore it.
@@ -22,17 +22,20 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from local_engine.fair_share import Priority, Tenancy
 
 __all__ = [
+    "ENGINE_STAGES_KEY",
     "FORWARDED_HEADERS",
     "MAX_TOKENS_CLAMPED_KEY",
     "Backend",
     "CountsPromptTokens",
     "Endpoint",
+    "EngineStageTimes",
     "FitsOutput",
     "HealthState",
     "Json",
     "MeteredStream",
     "OutputLimits",
     "Priority",
+    "ReportsEngineStages",
     "ReportsEngineStats",
     "ReportsHealthState",
     "ReportsStreamUsage",
@@ -55,6 +58,15 @@ HealthState = Literal["up", "down", "loading", "restarting"]
 # chunk) under this key, as `[requested, served]`; the gateway removes the key and answers with the header
 # `x-unigate-max-tokens-clamped: <requested> -> <served>`. (Over HTTP, `unigate engine serve` sends that header.)
 MAX_TOKENS_CLAMPED_KEY = "x_unigate_max_tokens_clamped"
+
+# The local engine's unstreamed answer says under this key when its request reached each stage in the engine,
+# `[queued, scheduled, first token, finished]` (wall clock ns, 0 for a stage not reached:
+# `local_engine.output_processor.EngineStages`); the gateway removes the key and traces the stages. A stream says it
+# through `ReportsEngineStages`.
+ENGINE_STAGES_KEY = "x_unigate_engine_stages"
+
+# (queued, scheduled, first token, finished): see ENGINE_STAGES_KEY
+EngineStageTimes = tuple[int, int, int, int]
 
 
 @runtime_checkable
@@ -161,15 +173,31 @@ class ReportsStreamUsage(Protocol):
     def usage_so_far(self) -> Json | None: ...
 
 
+@runtime_checkable
+class ReportsEngineStages(Protocol):
+    """Optional capability of a stream (the local engine's): when its request reached each stage in the engine so
+    far, `(queued, scheduled, first token, finished)` (see `ENGINE_STAGES_KEY`; a stream closed early knows the
+    stages it reached); None while the engine reported none. The gateway traces them."""
+
+    def engine_stages(self) -> EngineStageTimes | None: ...
+
+
 class MeteredStream:
-    """A stream that reports its usage so far (`ReportsStreamUsage`): the chunks of `chunks`, and whatever
-    `meter()` says, which the generator keeps up to date as it makes them."""
+    """A stream that reports its usage so far (`ReportsStreamUsage`) and its engine stages (`ReportsEngineStages`):
+    the chunks of `chunks`, and whatever `meter()` and `stages()` say, which the generator keeps up to date as it
+    makes them."""
 
-    __slots__ = ("_chunks", "_meter")
+    __slots__ = ("_chunks", "_meter", "_stages")
 
-    def __init__(self, chunks: AsyncGenerator[Json, None], meter: Callable[[], Json | None]) -> None:
+    def __init__(
+        self,
+        chunks: AsyncGenerator[Json, None],
+        meter: Callable[[], Json | None],
+        stages: Callable[[], EngineStageTimes | None] | None = None,
+    ) -> None:
         self._chunks = chunks
         self._meter = meter
+        self._stages = stages
 
     def __aiter__(self) -> MeteredStream:
         return self
@@ -182,3 +210,6 @@ class MeteredStream:
 
     def usage_so_far(self) -> Json | None:
         return self._meter()
+
+    def engine_stages(self) -> EngineStageTimes | None:
+        return None if self._stages is None else self._stages()

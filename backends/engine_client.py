@@ -4,9 +4,10 @@ With `unigate serve --workers N` the engine runs once, in its own process (`gate
 socket), and each worker's local deployment is this client of it, over the engine protocol
 (`backends.engine_protocol`, the only module the two sides share). It keeps the local backend's contract
 (`backends.local.LocalBackend`): the caller's tenancy reaches the engine; the same chunks and responses (the clamp
-report under `MAX_TOKENS_CLAMPED_KEY`, `usage` with cached tokens, and a stream's counts so far when it is closed
-early), the same errors (503 `engine_loading` with `Retry-After` while the model loads, 400s naming the field),
-`health_state()`, `output_limits()`, `count_prompt_tokens()` and `stats()`.
+report under `MAX_TOKENS_CLAMPED_KEY`, `usage` with cached tokens, a stream's counts so far when it is closed
+early, and the stages its request reached in the engine, for the trace), the same errors (503 `engine_loading` with
+`Retry-After` while the model loads, 400s naming the field), `health_state()`, `output_limits()`,
+`count_prompt_tokens()` and `stats()`.
 
 Each call has a connection of its own (taken from a pool of idle ones, `max_connections` open at most) and gives
 it back when the call ends. A call that ends early (a stream closed, a caller gone) sends `abort` and closes its
@@ -29,7 +30,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.base import Endpoint, HealthState, Json, MeteredStream, OutputLimits, Tenancy
+from backends.base import Endpoint, EngineStageTimes, HealthState, Json, MeteredStream, OutputLimits, Tenancy
 from backends.config import LocalModelOptions
 from backends.engine_protocol import (
     Abort,
@@ -162,12 +163,14 @@ class EngineClient:
         tenancy: Tenancy | None = None,
     ) -> MeteredStream:
         """The engine's chunks; the stream reports the engine's counts as of the last chunk (`usage_so_far`), which
-        is what a stream closed before its usage chunk used."""
+        is what a stream closed before its usage chunk used, and the stages its request reached (`engine_stages`)."""
         counts: list[int] = []
-        chunks = self._stream(AddRequest.of(next(self._ids), request_id, endpoint, True, body, tenancy), counts)
-        return MeteredStream(chunks, lambda: _usage(counts))
+        stages: list[int] = []
+        request = AddRequest.of(next(self._ids), request_id, endpoint, True, body, tenancy)
+        chunks = self._stream(request, counts, stages)
+        return MeteredStream(chunks, lambda: _usage(counts), lambda: _stages(stages))
 
-    async def _stream(self, request: AddRequest, counts: list[int]) -> AsyncGenerator[Json, None]:
+    async def _stream(self, request: AddRequest, counts: list[int], stages: list[int]) -> AsyncGenerator[Json, None]:
         call_id = request.call_id
         async with self._slots:
             channel = await self._acquire()
@@ -179,6 +182,8 @@ class EngineClient:
                     is_started = True
                     if isinstance(message, Output):
                         counts[:] = message.counts or counts
+                        if message.stages:
+                            stages[:] = message.stages
                         yield message.chunk
                     elif isinstance(message, Finished | Failed):
                         is_ended = True
@@ -334,6 +339,14 @@ class EngineClient:
             code="engine_error",
             headers={"retry-after": str(ENGINE_DOWN_RETRY_AFTER_S)},
         )
+
+
+def _stages(stages: list[int]) -> EngineStageTimes | None:
+    """The engine's `[queued, scheduled, first token, finished]` (None before it sent any)."""
+    if not stages:
+        return None
+    queued, scheduled, first_token, finished = stages
+    return queued, scheduled, first_token, finished
 
 
 def _usage(counts: list[int]) -> Json | None:

@@ -5,8 +5,8 @@ A message is one frame: a 4-byte big-endian length, then that many bytes of JSON
 the call it belongs to (an id the worker picks, unique on its connection), then the message's fields in order:
 
     worker → host                                       host → worker
-    ["add", id, request_id, endpoint, is_stream, body,  ["output", id, chunk, counts]  a stream's next chunk
-     tenant, weight, priority]
+    ["add", id, request_id, endpoint, is_stream, body,  ["output", id, chunk, counts,  a stream's next chunk
+     tenant, weight, priority]                            stages]
     ["abort", id]                                       ["finished", id]               a stream's end
     ["count_tokens", id, body]                          ["response", id, body]         an unstreamed call's answer
     ["get_state", id]                                   ["num_tokens", id, n]
@@ -15,7 +15,10 @@ the call it belongs to (an id the worker picks, unique on its connection), then 
 
 An `add` says whose call it is (the caller's tenant, weight and priority class: `backends.base.Tenancy`). Each
 `output` carries the engine's counts so far, `[prompt, cached, generated]` tokens (`[]` before it counted any): what
-a stream the worker closes early used (`backends.base.ReportsStreamUsage`).
+a stream the worker closes early used (`backends.base.ReportsStreamUsage`). An `output` whose chunk follows news of
+when the request reached each stage in the engine carries them all, `[queued, scheduled, first token, finished]` (wall
+clock ns, 0 for a stage not reached: `backends.base.ReportsEngineStages`), the others `[]`: a stream cut short knows
+the stages it reached. An unstreamed answer has them in its body (`backends.base.ENGINE_STAGES_KEY`).
 
 Every call ends with one of finished / response / num_tokens / state / failed, except an aborted one, which ends
 with nothing (the worker has forgotten it); a closed connection aborts every call still running on it. `failed`
@@ -143,6 +146,7 @@ class Output(_Message):
     call_id: int
     chunk: Json
     counts: list[int] = field(default_factory=list)  # the engine's [prompt, cached, generated] tokens so far
+    stages: list[int] = field(default_factory=list)  # [queued, scheduled, first token, finished] ns, when news
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +259,8 @@ def decode(payload: bytes | bytearray) -> WorkerMessage | HostMessage:
         raise ProtocolError(f"an add message with the priority {message.priority!r} and weight {message.weight!r}")
     if isinstance(message, Output) and message.counts and (len(message.counts) != 3 or not _are_ints(message.counts)):
         raise ProtocolError(f"an output message with the counts {message.counts!r}")
+    if isinstance(message, Output) and message.stages and (len(message.stages) != 4 or not _are_ints(message.stages)):
+        raise ProtocolError(f"an output message with the stages {message.stages!r}")
     return message
 
 

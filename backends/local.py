@@ -10,8 +10,10 @@ The model loads in a background thread when the backend is built, so start-up is
 with a `Retry-After` (never a cooldown). Prompts are tokenized off the event loop, after a size check that refuses
 a prompt too long to ever fit. Closing a stream early aborts its engine requests, which frees their KV blocks
 within one step; the stream still reports what the engine counted until then (`usage_so_far`), which is what the
-gateway charges a client that left. Each call runs under its caller's tenancy (`backends.base.Tenancy`), by which
-the engine shares itself between tenants (local_engine/fair_share.py).
+gateway charges a client that left. When the request reached each stage in the engine (queued, scheduled, first
+token, finished) comes with the answer (`backends.base.ENGINE_STAGES_KEY`) or from the stream
+(`ReportsEngineStages`), for the gateway's trace. Each call runs under its caller's tenancy (`backends.base.Tenancy`),
+by which the engine shares itself between tenants (local_engine/fair_share.py).
 
 Output limits (docs/coding-agents.md): a `max_tokens` that does not fit next to the prompt is lowered to the room
 left (`clamp_max_tokens`, on by default; the response says so, see `backends.base.MAX_TOKENS_CLAMPED_KEY`), and a
@@ -31,11 +33,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from backends.base import Endpoint, HealthState, Json, MeteredStream, OutputLimits, Tenancy
+from backends.base import ENGINE_STAGES_KEY, Endpoint, HealthState, Json, MeteredStream, OutputLimits, Tenancy
 from backends.config import LocalEngineOptions
 from backends.local_mapping import (
     NATIVE_ENDPOINTS,
     ParsedRequest,
+    StageTimes,
     Usage,
     check_prompt_size,
     check_request,
@@ -257,13 +260,19 @@ class LocalBackend:
             for stream in streams:  # cancelled mid-way (caller gone): abort what is still running
                 await stream.aclose()
         usage = Usage()
+        stages = StageTimes(len(streams))
         choices = []
         for prompt_index, prompt_deltas in enumerate(deltas):
             usage.add_prompt(prompt_deltas)
+            for delta in prompt_deltas[:1] + prompt_deltas[-1:]:  # a request's stages come with these two
+                stages.add(delta)
             for out in accumulate(prompt_deltas, request.params.n):
                 usage.completion_tokens += len(out.token_ids)
                 choices.append(request.choice(prompt_index, out))
-        return request.response(choices, usage.as_dict(), request_id)
+        response = request.response(choices, usage.as_dict(), request_id)
+        if (times := stages.combined()) is not None:
+            response[ENGINE_STAGES_KEY] = list(times)  # the gateway takes it out (gateway/attempt.py)
+        return response
 
     def stream(
         self,
@@ -275,22 +284,27 @@ class LocalBackend:
         tenancy: Tenancy | None = None,
     ) -> MeteredStream:
         """The chunks; the stream reports the engine's counts so far (`usage_so_far`), which is what a stream
-        closed before its usage chunk used: every prompt token (cached ones too) and every token generated."""
+        closed before its usage chunk used: every prompt token (cached ones too) and every token generated; and the
+        stages its request reached in the engine (`engine_stages`)."""
         usage = Usage()
-        chunks = self._stream(endpoint, body, request_id, tenancy or DEFAULT_TENANCY, usage)
-        return MeteredStream(chunks, lambda: usage.as_dict() if usage.has_counts else None)
+        stages = StageTimes()
+        chunks = self._stream(endpoint, body, request_id, tenancy or DEFAULT_TENANCY, usage, stages)
+        return MeteredStream(chunks, lambda: usage.as_dict() if usage.has_counts else None, stages.combined)
 
     async def _stream(
-        self, endpoint: Endpoint, body: Json, request_id: str, tenancy: Tenancy, usage: Usage
+        self, endpoint: Endpoint, body: Json, request_id: str, tenancy: Tenancy, usage: Usage, stages: StageTimes
     ) -> AsyncGenerator[Json, None]:
         engine = await self._ready()
         request = await self._parse(engine, endpoint, body)
         streams = self._generate(engine, request, request_id, tenancy)
+        stages.num_requests = len(streams)
         started: set[int] = set()
         try:
             with engine_errors(endpoint):
                 async for prompt_index, delta in _merge(streams):
                     usage.add_prompt([delta])
+                    if delta.stages is not None:
+                        stages.add(delta)
                     for out in delta.outputs:
                         usage.completion_tokens += len(out.token_ids)
                         index = prompt_index * request.params.n + out.index

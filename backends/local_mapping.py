@@ -2,8 +2,9 @@
 
 Requests: an OpenAI chat or text-completions body becomes sampling parameters (`check_request`, cheap, on the event
 loop) and prompt token ids (`prompt_ids`, in a worker thread). Responses: the engine's outputs become OpenAI
-responses and stream chunks (`ParsedRequest`, `Usage`), logprobs included. Engine errors become gateway errors in
-one place, `engine_errors`. Everything here takes a tokenizer and plain values, so it is tested without a model.
+responses and stream chunks (`ParsedRequest`, `Usage`; when the engine reached each stage: `StageTimes`), logprobs
+included. Engine errors become gateway errors in one place, `engine_errors`. Everything here takes a tokenizer and
+plain values, so it is tested without a model.
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from backends.base import MAX_TOKENS_CLAMPED_KEY, Endpoint, Json
+from backends.base import MAX_TOKENS_CLAMPED_KEY, Endpoint, EngineStageTimes, Json
 from backends.tool_calls import ToolCallStream, parse_tool_calls, plain_tool_messages, tool_names
 from gateway.errors import EngineError, InvalidRequestError
 from local_engine.errors import DuplicateRequestError, InvalidParamError, LocalEngineError, PromptTooLongError
-from local_engine.output_processor import CompletionOutput, RequestOutput, TokenLogprob
+from local_engine.output_processor import CompletionOutput, EngineStages, RequestOutput, TokenLogprob
 from local_engine.sampling_params import SamplingParams, from_openai
 
 __all__ = [
     "NATIVE_ENDPOINTS",
     "ParsedRequest",
+    "StageTimes",
     "TokenText",
     "Usage",
     "check_prompt_size",
@@ -281,6 +283,39 @@ class Usage:
         if self.spec_proposed:  # an extension field, only where speculative decoding ran
             usage["speculative"] = {"proposed": self.spec_proposed, "accepted": self.spec_accepted}
         return usage
+
+
+class StageTimes:
+    """When a call's engine requests (one per prompt) reached each stage in the engine, as their outputs say
+    (`EngineStages`, on a request's first and final outputs), as one: the first arrival, admission and first token of
+    any, and the last end of all (0 until every one ended: a stream cut short never finished)."""
+
+    def __init__(self, num_requests: int = 1) -> None:
+        self.num_requests = num_requests
+        self._by_request: dict[str, EngineStages] = {}
+
+    def add(self, delta: RequestOutput) -> None:
+        if delta.stages is not None:
+            self._by_request[delta.request_id] = delta.stages
+
+    def combined(self) -> EngineStageTimes | None:
+        """`(queued, scheduled, first token, finished)` ns; None before the engine reported any."""
+        seen = list(self._by_request.values())
+        if len(seen) == self.num_requests == 1:
+            return seen[0]
+        if not seen:
+            return None
+        is_finished = len(seen) == self.num_requests and all(stages.finished_ns for stages in seen)
+        return (
+            _earliest(stages.queued_ns for stages in seen),
+            _earliest(stages.scheduled_ns for stages in seen),
+            _earliest(stages.first_token_ns for stages in seen),
+            max(stages.finished_ns for stages in seen) if is_finished else 0,
+        )
+
+
+def _earliest(times: Iterator[int]) -> int:
+    return min((t for t in times if t), default=0)
 
 
 class ParsedRequest:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from auth.base import Principal, UpstreamLease
-from backends.base import Endpoint, Json, ReportsStreamUsage, Tenancy
+from backends.base import Endpoint, EngineStageTimes, Json, ReportsEngineStages, ReportsStreamUsage, Tenancy
 from gateway.call_context import CallContext
 from gateway.disconnect import unless_disconnected
 from gateway.errors import BackendError, GatewayError, InvalidRequestError, UpstreamTimeoutError, upstream_malformed
@@ -283,6 +283,11 @@ class OpenStream:
         keeps one (`ReportsStreamUsage`: the local engine); else None."""
         chunks = self.chunks
         return chunks.usage_so_far() if isinstance(chunks, ReportsStreamUsage) else None
+
+    def engine_stages(self) -> EngineStageTimes | None:
+        """When its request reached each stage in the local engine, where its stream says (`ReportsEngineStages`)."""
+        chunks = self.chunks
+        return chunks.engine_stages() if isinstance(chunks, ReportsEngineStages) else None
 
 
 def tenancy_of(principal: Principal) -> Tenancy:

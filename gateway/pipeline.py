@@ -8,7 +8,9 @@
 
 The stages, top to bottom: the ledger admits the caller and reserves the request (gateway/ledger.py); the router
 runs one attempt per deployment tried, retrying and falling back around them (gateway/attempt.py,
-gateway/router.py); a stream's chunks pass its accounting (gateway/stream_accounting.py); the ledger settles.
+gateway/router.py); a stream's chunks pass its accounting (gateway/stream_accounting.py); the ledger settles. The
+local engine says when the request reached each stage in it (with its answer, or from its stream once closed): the
+trace gets them as spans under the attempt that answered (`RequestTrace.engine_stages`).
 
 Failures before the first byte (404, limits, every retry and fallback failing) raise from `open_call` / `json()`,
 so the route can still answer with a proper status; while they wait on an upstream, a client that goes away cancels
@@ -28,7 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator
 
-from backends.base import Endpoint, Json
+from backends.base import ENGINE_STAGES_KEY, Endpoint, Json
 from gateway.attempt import Attempt, OpenStream
 from gateway.call_context import CallContext
 from gateway.disconnect import unless_disconnected, watch_disconnect
@@ -36,6 +38,7 @@ from gateway.errors import GatewayError
 from gateway.ledger import Ledger, Usage
 from gateway.normalize import UPSTREAM_MODEL_HEADER, name_model, normalize_chunk, upstream_model_header
 from gateway.output_limits import CLAMP_HEADER, clamp_header_value
+from gateway.request_trace import RequestTrace
 from gateway.router import Deployment, Router, Target
 from gateway.routing_config import PricingConfig
 from gateway.stream_accounting import StreamAccount
@@ -125,6 +128,9 @@ class Call:
             await self.aclose()
             raise
         self._note_answer(attempt, data)
+        stages = data.pop(ENGINE_STAGES_KEY, None)  # the local engine's report: for the trace, never the client
+        if stages is not None and (trace := self._context.trace) is not None:
+            _trace_engine_stages(trace, stages)
         self._answer_usage = Usage.of_answer(data)
         await self._finish()
         return data
@@ -210,6 +216,8 @@ class Call:
         stream, self._stream = self._stream, None
         if stream is not None:
             await stream.aclose()
+            if (trace := self._context.trace) is not None:  # closed, cut or not: the engine's stages it reached
+                _trace_engine_stages(trace, stream.engine_stages())
 
     def _usage(self) -> Usage:
         if self._account is not None:
@@ -228,6 +236,15 @@ def serves_natively(router: Router, model: str, endpoint: Endpoint) -> bool:
     """Whether every deployment of `model` serves `endpoint` itself (route families translate otherwise)."""
     target = router.find(model)
     return target is not None and all(d.backend.supports(endpoint) for d in target.route.deployments)
+
+
+def _trace_engine_stages(trace: RequestTrace, stages: object) -> None:
+    """The local engine's `[queued, scheduled, first token, finished]` (wall clock ns, 0 for a stage not reached), if
+    that is what `stages` is, as the trace's spans (`backends.base.ENGINE_STAGES_KEY`)."""
+    if isinstance(stages, list | tuple) and len(stages) == 4:
+        times = [t for t in stages if type(t) is int]
+        if len(times) == 4:
+            trace.engine_stages(*times)
 
 
 def _set_header(headers: dict[str, str], name: str, value: str | None) -> None:

@@ -3,9 +3,10 @@
 Each connection carries any number of calls, each a task of its own: an `add` streams the backend's chunks (or sends its
 response), a `count_tokens` its exact count; `get_state` is answered at once, from memory. An `add` runs under the
 caller's tenancy, and each output of a stream carries the engine's counts so far, for the worker to charge if its client
-leaves. An `abort`, or the connection closing, cancels the call's task, which closes the backend's stream: the engine
-aborts the request and frees its KV blocks within a step. The backend's own calls are made with no pipeline in between
-(the worker's pipeline has done auth, limits and routing), and a gateway error it raises goes back as `failed`.
+leaves, and any news of the stages its request reached in the engine, for the worker's trace. An `abort`, or the
+connection closing, cancels the call's task, which closes the backend's stream: the engine aborts the request and frees
+its KV blocks within a step. The backend's own calls are made with no pipeline in between (the worker's pipeline has
+done auth, limits and routing), and a gateway error it raises goes back as `failed`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any, Protocol, cast
 
-from backends.base import Endpoint, HealthState, Json, OutputLimits, ReportsStreamUsage, Tenancy
+from backends.base import Endpoint, HealthState, Json, OutputLimits, ReportsEngineStages, ReportsStreamUsage, Tenancy
 from backends.engine_protocol import (
     MAX_FRAME_BYTES,
     Abort,
@@ -199,11 +200,18 @@ class EngineHost:
             return Response(call_id, answer)
         stream = self.backend.stream(endpoint, message.body, request_id=request_id, tenancy=tenancy)
         meter = stream if isinstance(stream, ReportsStreamUsage) else None
+        timer = stream if isinstance(stream, ReportsEngineStages) else None
         chunks = cast(AsyncGenerator[Json, None], stream)
+        sent_stages: tuple[int, ...] | None = None
         try:
             async for chunk in chunks:
                 # The counts so far go with each chunk: what the worker charges if its client leaves after it.
-                connection.send(Output(call_id, chunk, [] if meter is None else _counts(meter.usage_so_far())))
+                counts = [] if meter is None else _counts(meter.usage_so_far())
+                # The stages go with the first chunk after they changed (twice a request: at its first token, its end).
+                stages = None if timer is None else timer.engine_stages()
+                news = [] if stages is None or stages == sent_stages else list(stages)
+                sent_stages = stages
+                connection.send(Output(call_id, chunk, counts, news))
                 await connection.writer.drain()  # a worker that reads slowly slows its streams, not our memory
         finally:
             await chunks.aclose()  # (cancelled: the engine aborts the request)

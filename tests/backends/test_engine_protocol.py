@@ -233,17 +233,20 @@ def test_an_unknown_error_class_is_an_engine_error() -> None:
         ["add", 1, "r", "chat/completions", True, {}, "key-a", 0.0, "normal"],  # a weight must be positive
         ["add", 1, "r", "chat/completions", True, {}, "key-a", -2.0, "high"],
         ["add", 1, "r", "chat/completions", True, {}, "key-a", 1, "normal"],  # a weight is a float on the wire
-        ["output", 1, {}, [1, 2]],  # counts are [prompt, cached, generated]
-        ["output", 1, {}, [1, 2, "3"]],
-        ["output", 1, {}, [1, 2, 3.0]],
+        ["output", 1, {}, [1, 2], []],  # counts are [prompt, cached, generated]
+        ["output", 1, {}, [1, 2, "3"], []],
+        ["output", 1, {}, [1, 2, 3.0], []],
+        ["output", 1, {}, [], [1, 2, 3]],  # stages are [queued, scheduled, first token, finished]
+        ["output", 1, {}, [], [1, 2, 3, 4.0]],
+        ["output", 1, {}, [1, 2, 3]],  # an output always has its stages, if only []
     ],
 )
-def test_a_tenancy_or_counts_out_of_their_range_is_a_protocol_error(fields: list[Any]) -> None:
+def test_a_tenancy_counts_or_stages_out_of_their_range_is_a_protocol_error(fields: list[Any]) -> None:
     with pytest.raises(ProtocolError):
         decode(orjson.dumps(fields))
 
 
-def test_an_add_carries_its_tenancy_and_an_output_its_counts() -> None:
+def test_an_add_carries_its_tenancy_and_an_output_its_counts_and_stages() -> None:
     from backends.base import Tenancy
 
     sent = AddRequest.of(3, "r", "completions", True, {}, Tenancy("team-a", 3, "high"))
@@ -251,3 +254,5 @@ def test_an_add_carries_its_tenancy_and_an_output_its_counts() -> None:
     assert isinstance(received, AddRequest) and received.tenancy == Tenancy("team-a", 3.0, "high")
     assert AddRequest.of(3, "r", "completions", True, {}, None).tenancy == Tenancy()
     assert decode(encode(Output(3, {}, [4028, 16, 5]))[4:]) == Output(3, {}, [4028, 16, 5])
+    stages = [1_765_000_000_000_000_000, 1_765_000_000_100_000_000, 1_765_000_000_200_000_000, 0]
+    assert decode(encode(Output(3, {}, [], stages))[4:]) == Output(3, {}, [], stages)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from backends.base import MAX_TOKENS_CLAMPED_KEY
 from backends.local_mapping import (
     ParsedRequest,
+    StageTimes,
     Usage,
     check_request,
     engine_errors,
@@ -28,7 +29,7 @@ from local_engine.errors import (
     PromptTooLongError,
     RequestFailedError,
 )
-from local_engine.output_processor import CompletionOutput, RequestOutput, TokenLogprob
+from local_engine.output_processor import CompletionOutput, EngineStages, RequestOutput, TokenLogprob
 from local_engine.sampling_params import SamplingParams
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
@@ -304,6 +305,26 @@ def test_only_the_engines_own_errors_are_translated(error: Exception) -> None:
 
 
 # -- responses --------------------------------------------------------------------------------------------------------
+
+
+def test_stage_times_are_the_engine_requests_as_one() -> None:
+    """One engine request: its own stages. Several (a list of prompts): the first arrival, admission and token of
+    any, and the last end once every one ended (a stream cut before that never finished)."""
+    one = StageTimes()
+    assert one.combined() is None
+    one.add(RequestOutput("a", [], 3))  # an output in the middle carries none
+    one.add(RequestOutput("a", [], 3, stages=EngineStages(10, 20, 30, 0)))
+    assert one.combined() == (10, 20, 30, 0)
+    one.add(RequestOutput("a", [], 3, finished=True, stages=EngineStages(10, 20, 30, 40)))
+    assert one.combined() == (10, 20, 30, 40)
+
+    several = StageTimes(num_requests=3)
+    several.add(RequestOutput("a", [], 3, finished=True, stages=EngineStages(10, 25, 35, 50)))
+    several.add(RequestOutput("b", [], 3, stages=EngineStages(12, 20, 30, 0)))
+    assert several.combined() == (10, 20, 30, 0)  # "b" is running, "c" has not been heard of
+    several.add(RequestOutput("b", [], 3, finished=True, stages=EngineStages(12, 20, 30, 60)))
+    several.add(RequestOutput("c", [], 3, finished=True, stages=EngineStages(11, 0, 0, 45)))  # aborted in the queue
+    assert several.combined() == (10, 20, 30, 60)
 
 
 def test_usage_counts_each_prompt_once_and_cached_tokens_when_finished() -> None:
