@@ -293,16 +293,18 @@ class StageTimes:
     def __init__(self, num_requests: int = 1) -> None:
         self.num_requests = num_requests
         self._by_request: dict[str, EngineStages] = {}
+        self._latest: EngineStages | None = None
 
     def add(self, delta: RequestOutput) -> None:
         if delta.stages is not None:
-            self._by_request[delta.request_id] = delta.stages
+            self._by_request[delta.request_id] = self._latest = delta.stages
 
     def combined(self) -> EngineStageTimes | None:
-        """`(queued, scheduled, first token, finished)` ns; None before the engine reported any."""
+        """`(queued, scheduled, first token, finished)` ns; None before the engine reported any. (Read after each
+        chunk of a stream the engine host serves: one request's costs an attribute read.)"""
+        if self.num_requests == 1:
+            return self._latest
         seen = list(self._by_request.values())
-        if len(seen) == self.num_requests == 1:
-            return seen[0]
         if not seen:
             return None
         is_finished = len(seen) == self.num_requests and all(stages.finished_ns for stages in seen)
