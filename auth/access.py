@@ -252,36 +252,27 @@ class RedisAccess:
 
     # -- a key and its team: two admissions in two slots, both taken or neither ---------------------------------
 
-    def _command(self, state_id: str, key_hash: str, version: int | None, ask: _Ask) -> tuple[EncodableT, ...]:
-        return scripts.admit_command(
-            key_id=state_id,
-            key_hash=key_hash,
-            model=ask.model,
-            estimated_tokens=ask.estimated_tokens,
-            request_id=ask.lease_id,
-            lease_ttl_ms=self._lease_ttl_ms,
-            window_ms=self._window_ms,
-            cached_version=version,
-            budget_tokens=ask.budget.tokens,
-            costs=ask.budget.costs,
-            scripts=self._scripts,
+    def _admit_args(self, state_id: str, key_hash: str, version: int | None, ask: _Ask) -> scripts.AdmitArgs:
+        return scripts.AdmitArgs(
+            state_id,
+            key_hash,
+            ask.model,
+            ask.estimated_tokens,
+            ask.lease_id,
+            self._lease_ttl_ms,
+            self._window_ms,
+            version,
+            ask.budget.tokens,
+            ask.budget.costs,
         )
+
+    def _command(self, state_id: str, key_hash: str, version: int | None, ask: _Ask) -> tuple[EncodableT, ...]:
+        return scripts.admit_command(self._admit_args(state_id, key_hash, version, ask), self._scripts)
 
     async def _admit_one(self, state_id: str, key_hash: str, version: int | None, ask: _Ask) -> scripts.AdmitReply:
         """One admission (a key's; a team's with `key_hash` ""), registering the script on NOSCRIPT."""
         return await scripts.admit_request(
-            self._pipe,
-            key_id=state_id,
-            key_hash=key_hash,
-            model=ask.model,
-            estimated_tokens=ask.estimated_tokens,
-            request_id=ask.lease_id,
-            lease_ttl_ms=self._lease_ttl_ms,
-            window_ms=self._window_ms,
-            cached_version=version,
-            budget_tokens=ask.budget.tokens,
-            costs=ask.budget.costs,
-            scripts=self._scripts,
+            self._pipe, self._admit_args(state_id, key_hash, version, ask), self._scripts
         )
 
     async def _admit_pair(

@@ -295,97 +295,62 @@ def clamp_micros(value: int) -> int:
     return min(max(int(value), 0), 2**50)
 
 
-def _admit_keys_and_args(
-    *,
-    state_id: str,
-    key_hash: str,
-    model: str,
-    estimated_tokens: int,
-    request_id: str,
-    lease_ttl_ms: int,
-    window_ms: int,
-    cached_version: int | None,
-    budget_tokens: int,
-    costs: Sequence[tuple[str, int]],
-) -> tuple[tuple[str, ...], list[EncodableT]]:
-    keys = (
-        redis_names.state_record(state_id),
-        redis_names.key_rpm_log(state_id),
-        redis_names.key_tpm_log(state_id),
-        redis_names.key_tpm_sum(state_id),
-        redis_names.key_leases(state_id),
-        redis_names.key_holds(state_id),
-        redis_names.key_holds_sum(state_id),
-    )
-    version = "" if cached_version is None else str(cached_version)
-    args: list[EncodableT] = [key_hash, model, clamp_tokens(estimated_tokens), request_id, lease_ttl_ms, window_ms]
-    args += (version, clamp_tokens(budget_tokens))
-    for cost_model, micros in costs or ((model, 0),):
-        args += (cost_model, clamp_micros(micros))
-    return keys, args
+@dataclass(slots=True)
+class AdmitArgs:
+    """One admission's inputs, for `admit_request` / `admit_command`. `state_id` is a key's id, or a team's state id
+    (`redis_names.team_state_id`) with `key_hash` "": the team's admission. `budget_tokens` and `costs` ((model,
+    worst-case micros) of the requested model, then its fallbacks) are what a budgeted key reserves; the script
+    holds the highest cost among the models the key may use. (Not frozen: made on every request, and a frozen
+    dataclass' __init__ costs several times as much.)"""
+
+    state_id: str
+    key_hash: str
+    model: str
+    estimated_tokens: int
+    request_id: str
+    lease_ttl_ms: int
+    window_ms: int
+    cached_version: int | None = None
+    budget_tokens: int = 0
+    costs: Sequence[tuple[str, int]] = ()
+
+    def keys_and_args(self) -> tuple[tuple[str, ...], list[EncodableT]]:
+        state_id = self.state_id
+        keys = (
+            redis_names.state_record(state_id),
+            redis_names.key_rpm_log(state_id),
+            redis_names.key_tpm_log(state_id),
+            redis_names.key_tpm_sum(state_id),
+            redis_names.key_leases(state_id),
+            redis_names.key_holds(state_id),
+            redis_names.key_holds_sum(state_id),
+        )
+        version = "" if self.cached_version is None else str(self.cached_version)
+        args: list[EncodableT] = [
+            self.key_hash,
+            self.model,
+            clamp_tokens(self.estimated_tokens),
+            self.request_id,
+            self.lease_ttl_ms,
+            self.window_ms,
+            version,
+            clamp_tokens(self.budget_tokens),
+        ]
+        for cost_model, micros in self.costs or ((self.model, 0),):
+            args += (cost_model, clamp_micros(micros))
+        return keys, args
 
 
-async def admit_request(
-    redis: Target,
-    *,
-    key_id: str,
-    key_hash: str,
-    model: str,
-    estimated_tokens: int,
-    request_id: str,
-    lease_ttl_ms: int,
-    window_ms: int,
-    cached_version: int | None,
-    budget_tokens: int = 0,
-    costs: Sequence[tuple[str, int]] = (),
-    scripts: ScriptSet = DEFAULT_SCRIPTS,
-) -> AdmitReply:
-    """`budget_tokens` and `costs` ((model, worst-case micros) of the requested model, then its fallbacks) are
-    what a budgeted key reserves; the script holds the highest cost among the models the key may use. `key_id`
-    may be a team's state id (`redis_names.team_state_id`) with `key_hash` "": the team's admission."""
-    keys, args = _admit_keys_and_args(
-        state_id=key_id,
-        key_hash=key_hash,
-        model=model,
-        estimated_tokens=estimated_tokens,
-        request_id=request_id,
-        lease_ttl_ms=lease_ttl_ms,
-        window_ms=window_ms,
-        cached_version=cached_version,
-        budget_tokens=budget_tokens,
-        costs=costs,
-    )
+async def admit_request(redis: Target, admit: AdmitArgs, scripts: ScriptSet = DEFAULT_SCRIPTS) -> AdmitReply:
+    """One admission (see `AdmitArgs`), registering the script on NOSCRIPT."""
+    keys, args = admit.keys_and_args()
     return admit_reply(await scripts.admit(redis, keys, args), scripts)
 
 
-def admit_command(
-    *,
-    key_id: str,
-    key_hash: str,
-    model: str,
-    estimated_tokens: int,
-    request_id: str,
-    lease_ttl_ms: int,
-    window_ms: int,
-    cached_version: int | None,
-    budget_tokens: int = 0,
-    costs: Sequence[tuple[str, int]] = (),
-    scripts: ScriptSet = DEFAULT_SCRIPTS,
-) -> tuple[EncodableT, ...]:
+def admit_command(admit: AdmitArgs, scripts: ScriptSet = DEFAULT_SCRIPTS) -> tuple[EncodableT, ...]:
     """The EVALSHA of `admit_request`, for `CommandPipe.submit` (so that a key's and its team's admissions go out
     in one write); its reply goes to `admit_reply`. A NOSCRIPT reply means: call `admit_request` (it registers)."""
-    keys, args = _admit_keys_and_args(
-        state_id=key_id,
-        key_hash=key_hash,
-        model=model,
-        estimated_tokens=estimated_tokens,
-        request_id=request_id,
-        lease_ttl_ms=lease_ttl_ms,
-        window_ms=window_ms,
-        cached_version=cached_version,
-        budget_tokens=budget_tokens,
-        costs=costs,
-    )
+    keys, args = admit.keys_and_args()
     return ("EVALSHA", scripts.admit.sha, len(keys), *keys, *args)
 
 

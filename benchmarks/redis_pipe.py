@@ -102,14 +102,16 @@ async def one_request(transport: Transport, key_id: str, key_hash: str) -> None:
     lease_id = new_request_id()
     reply = await scripts.admit_request(
         transport,
-        key_id=key_id,
-        key_hash=key_hash,
-        model="bench-model",
-        estimated_tokens=300,
-        request_id=lease_id,
-        lease_ttl_ms=600_000,
-        window_ms=60_000,
-        cached_version=None,
+        scripts.AdmitArgs(
+            state_id=key_id,
+            key_hash=key_hash,
+            model="bench-model",
+            estimated_tokens=300,
+            request_id=lease_id,
+            lease_ttl_ms=600_000,
+            window_ms=60_000,
+            cached_version=None,
+        ),
     )
     assert reply.status == "ok", reply.status
     item = scripts.SettleItem(

@@ -104,14 +104,16 @@ async def test_usage_of_keys_on_every_shard_is_read_in_one_pipeline(
 async def _admit(pipe: ClusterCommandPipe, key_id: str, secret_hash: str, n: int) -> str:
     reply = await scripts.admit_request(
         pipe,
-        key_id=key_id,
-        key_hash=secret_hash,
-        model="m",
-        estimated_tokens=1,
-        request_id=f"r{n}",
-        lease_ttl_ms=60_000,
-        window_ms=60_000,
-        cached_version=None,
+        scripts.AdmitArgs(
+            state_id=key_id,
+            key_hash=secret_hash,
+            model="m",
+            estimated_tokens=1,
+            request_id=f"r{n}",
+            lease_ttl_ms=60_000,
+            window_ms=60_000,
+            cached_version=None,
+        ),
     )
     return reply.status
 
