@@ -25,12 +25,13 @@ def gateway_instances(
     names: tuple[str, ...] = ("a", "b"),
     *,
     fallbacks: dict[str, list[str]] | None = None,
+    router: dict[str, Any] | None = None,
 ) -> Iterator[list[ThreadedServer]]:
     """`with gateway_instances(redis_url, tmp_path, models) as (a, b):` — each instance has its own data dir; a
     sequence of URLs gives each instance its own way to the same Redis (e.g. one through a `DelayingProxy`)."""
     urls = [redis_url] * len(names) if isinstance(redis_url, str) else list(redis_url)
     routing = directory / "unigate.yaml"
-    routing.write_text(yaml.safe_dump({"models": models, "fallbacks": fallbacks or {}}))
+    routing.write_text(yaml.safe_dump({"models": models, "fallbacks": fallbacks or {}, "router": router or {}}))
     servers = []
     try:
         for name, url in zip(names, urls, strict=True):
