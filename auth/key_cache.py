@@ -12,17 +12,15 @@ version differs from the one sent.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import orjson
-from redis.exceptions import RedisError
 
 from auth import redis_names
 from auth.base import Principal, Priority
-from auth.redis_client import RedisClient, subscribe
+from auth.redis_client import RedisClient, listen
 from auth.rejections import expired_error, revoked_error
 from auth.store import KeyRecord
 from auth.upstream import cancel_until_done
@@ -170,25 +168,10 @@ class KeyCache:
 
     async def _listen(self) -> None:
         """Drop cached keys on `ug:events`; after any gap in the subscription drop them all (events were missed)."""
-        backoff_s = 0.1
-        has_subscribed = False
-        while not self._is_closing:
-            pubsub = None
-            try:
-                pubsub = await subscribe(self._redis, redis_names.EVENTS_CHANNEL)
-                if has_subscribed:
-                    self._entries.clear()
-                has_subscribed = True
-                backoff_s = 0.1
-                while not self._is_closing:
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                    if message is not None:
-                        self.invalidate(message["data"].decode())
-            except (TimeoutError, RedisError, OSError):
-                pass
-            finally:
-                if pubsub is not None:
-                    with contextlib.suppress(RedisError, OSError):
-                        await pubsub.aclose()  # type: ignore[no-untyped-call]
-            await asyncio.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, 2.0)
+        await listen(
+            self._redis,
+            redis_names.EVENTS_CHANNEL,
+            lambda data: self.invalidate(data.decode()),
+            is_closing=lambda: self._is_closing,
+            on_resubscribed=self._entries.clear,
+        )

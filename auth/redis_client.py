@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import unquote
@@ -297,3 +298,38 @@ async def is_writable(client: RedisClient) -> bool:
     except (RedisError, OSError, TimeoutError):
         return False
     return True
+
+
+async def listen(
+    client: RedisClient,
+    channel: str,
+    on_message: Callable[[bytes], None],
+    *,
+    is_closing: Callable[[], bool],
+    on_resubscribed: Callable[[], None] = lambda: None,
+) -> None:
+    """Hand every message on `channel` to `on_message` until `is_closing()` (checked at least once a second).
+    A lost subscription is made again with a backoff (0.1 s doubling to 2 s); `on_resubscribed` runs after each
+    new subscription but the first, since messages in the gap were missed."""
+    backoff_s = 0.1
+    has_subscribed = False
+    while not is_closing():
+        pubsub = None
+        try:
+            pubsub = await subscribe(client, channel)
+            if has_subscribed:
+                on_resubscribed()
+            has_subscribed = True
+            backoff_s = 0.1
+            while not is_closing():
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if message is not None:
+                    on_message(message["data"])
+        except (TimeoutError, RedisError, OSError):
+            pass
+        finally:
+            if pubsub is not None:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+        await asyncio.sleep(backoff_s)
+        backoff_s = min(backoff_s * 2, 2.0)

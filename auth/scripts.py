@@ -295,6 +295,18 @@ def clamp_micros(value: int) -> int:
     return min(max(int(value), 0), 2**50)
 
 
+def _counter_keys(state_id: str) -> tuple[str, ...]:
+    """What an admission counts in and a cancellation gives back: rate logs, leases, budget holds."""
+    return (
+        redis_names.key_rpm_log(state_id),
+        redis_names.key_tpm_log(state_id),
+        redis_names.key_tpm_sum(state_id),
+        redis_names.key_leases(state_id),
+        redis_names.key_holds(state_id),
+        redis_names.key_holds_sum(state_id),
+    )
+
+
 @dataclass(slots=True)
 class AdmitArgs:
     """One admission's inputs, for `admit_request` / `admit_command`. `state_id` is a key's id, or a team's state id
@@ -315,16 +327,7 @@ class AdmitArgs:
     costs: Sequence[tuple[str, int]] = ()
 
     def keys_and_args(self) -> tuple[tuple[str, ...], list[EncodableT]]:
-        state_id = self.state_id
-        keys = (
-            redis_names.state_record(state_id),
-            redis_names.key_rpm_log(state_id),
-            redis_names.key_tpm_log(state_id),
-            redis_names.key_tpm_sum(state_id),
-            redis_names.key_leases(state_id),
-            redis_names.key_holds(state_id),
-            redis_names.key_holds_sum(state_id),
-        )
+        keys = (redis_names.state_record(self.state_id), *_counter_keys(self.state_id))
         version = "" if self.cached_version is None else str(self.cached_version)
         args: list[EncodableT] = [
             self.key_hash,
@@ -373,14 +376,7 @@ async def cancel_admission(
     scripts: ScriptSet = DEFAULT_SCRIPTS,
 ) -> int:
     """Undo an admission of `state_id` (a key's id or a team's state id) for a request that will not run."""
-    keys = (
-        redis_names.key_rpm_log(state_id),
-        redis_names.key_tpm_log(state_id),
-        redis_names.key_tpm_sum(state_id),
-        redis_names.key_leases(state_id),
-        redis_names.key_holds(state_id),
-        redis_names.key_holds_sum(state_id),
-    )
+    keys = _counter_keys(state_id)
     hold = f"{request_id}|{clamp_tokens(budget_tokens)}|{clamp_micros(reserved_micros)}"
     return int(await scripts.cancel(redis, keys, (request_id, clamp_tokens(reserved_tokens), hold)))
 

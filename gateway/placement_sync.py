@@ -16,7 +16,6 @@ moves to its own map. A request never waits on Redis for this: an instance that 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -25,7 +24,7 @@ import orjson
 from redis.exceptions import RedisError
 
 from auth import redis_names
-from auth.redis_client import RedisClient, subscribe
+from auth.redis_client import RedisClient, listen
 from auth.upstream import cancel_until_done
 
 if TYPE_CHECKING:
@@ -89,24 +88,7 @@ class PlacementSync:
                     await asyncio.sleep(0.5)
 
     async def _listen(self) -> None:
-        backoff_s = 0.1
-        while not self._is_closing:
-            pubsub = None
-            try:
-                pubsub = await subscribe(self._redis, redis_names.PLACEMENTS_CHANNEL)
-                backoff_s = 0.1
-                while not self._is_closing:
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                    if message is not None:
-                        self.apply(message["data"])
-            except (TimeoutError, RedisError, OSError):
-                pass
-            finally:
-                if pubsub is not None:
-                    with contextlib.suppress(RedisError, OSError):
-                        await pubsub.aclose()  # type: ignore[no-untyped-call]
-            await asyncio.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, 2.0)
+        await listen(self._redis, redis_names.PLACEMENTS_CHANNEL, self.apply, is_closing=lambda: self._is_closing)
 
     def apply(self, data: bytes) -> None:
         """Another instance's moves, into this instance's placements (what is not understood is skipped)."""
