@@ -1,14 +1,17 @@
 """Gateway overhead: the same load against a fast fake upstream directly and through one gateway worker.
 
     .venv/bin/python benchmarks/gateway_overhead.py [--seconds 5] [--concurrency 1,32,128] [--limits [--team]]
-        [--rounds 1]
+        [--rounds 1] [--modes non-stream,stream]
 
 Three processes: the fake upstream (tests/fakes/upstream.py, uvloop), the gateway (`gateway.server.run`, one
 uvicorn worker, uvloop + httptools), and this load generator (aiohttp, uvloop, closed loop: `c` clients each
 sending the next request when the previous one finished). Prints requests/s and p50/p99 latency per concurrency
 for non-streaming calls, p50/p99 time to first token for streaming calls, the overhead (gateway - direct), and
 the gateway process's CPU time per request (Linux): on a box shared with other work the latencies swing from run
-to run, the CPU cost per request much less, so compare that one between versions.
+to run, the CPU cost per request much less, so compare that one between versions. `tail` is p99 / p50, taken in
+each round and the median over the rounds printed: pooled over rounds taken under different background load, the
+slow rounds' latencies would make a p99 that no one round had. Before the clock starts, each measurement opens all
+`c` connections (one request each at once), so no percentile holds a connection's first request.
 
 The gateway's embedded Redis lives in a temporary data directory, so runs never load (or grow) a real one.
 
@@ -24,11 +27,12 @@ import asyncio
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -47,6 +51,11 @@ class Result:
     latencies_ms: list[float]
     num_errors: int
     cpu_s: float | None = None  # CPU time the measured server process used during the run (None: unknown)
+    tails: list[float] = field(default_factory=list)  # p99 / p50 of each round
+
+    def __post_init__(self) -> None:
+        if not self.tails and self.latencies_ms:
+            self.tails = [self.percentile(0.99) / self.percentile(0.5)]
 
     def plus(self, other: Result) -> Result:
         """Two measurements of the same thing taken apart, as one."""
@@ -57,7 +66,13 @@ class Result:
             self.latencies_ms + other.latencies_ms,
             self.num_errors + other.num_errors,
             cpu_s,
+            self.tails + other.tails,
         )
+
+    @property
+    def tail(self) -> float:
+        """p99 / p50, the median over the rounds (each round's own ratio: see the module docstring)."""
+        return statistics.median(self.tails) if self.tails else float("nan")
 
     @property
     def cpu_us_per_request(self) -> float:
@@ -134,8 +149,10 @@ async def load(
     latencies: list[float] = []
     num_errors = 0
     async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
-        for _ in range(min(concurrency, 8)):  # warm-up: open connections, fill caches
-            await one_request(session, url, stream=stream)
+        # Warm-up: every client's connection opened (their first requests at once, as the run will send them),
+        # caches filled; a connection's first request (accept, a new upstream connection) is not measured.
+        for _ in range(2):
+            await asyncio.gather(*(one_request(session, url, stream=stream) for _ in range(concurrency)))
         deadline = time.perf_counter() + seconds
 
         async def client() -> None:
@@ -194,6 +211,11 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=1, help="take each measurement in this many parts, in turn (see the docstring)"
     )
+    parser.add_argument(
+        "--modes",
+        default="non-stream,stream",
+        help="which calls to measure: non-stream, stream or both (comma-separated)",
+    )
     parser.add_argument("--hold", action="store_true", help="only start the processes and wait (for profiling)")
     parser.add_argument(
         "--limits",
@@ -207,6 +229,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    modes = [mode.strip() for mode in args.modes.split(",")]
+    if not modes or not set(modes) <= {"non-stream", "stream"}:
+        parser.error("--modes takes non-stream, stream or both")
     with tempfile.TemporaryDirectory() as tmp:
         processes, direct_url, gateway_url = start_processes(Path(tmp))
         try:
@@ -223,6 +248,7 @@ def main() -> None:
                     limited_key,
                     gateway_pid=processes[1].pid,
                     num_rounds=max(1, args.rounds),
+                    streams=[mode == "stream" for mode in modes],
                 )
             )
         finally:
@@ -259,10 +285,11 @@ async def run_all(
     *,
     gateway_pid: int | None = None,
     num_rounds: int = 1,
+    streams: list[bool] | None = None,
 ) -> list[tuple[str, int, Result, Result]]:
     rows = []
     part_s = seconds / num_rounds
-    for stream in (False, True):
+    for stream in streams if streams is not None else [False, True]:
         mode = "stream TTFT" if stream else "non-stream"
         for concurrency in levels:
             direct: Result | None = None
@@ -294,8 +321,8 @@ async def run_all(
 
 def print_table(rows: list[tuple[str, int, Result, Result]]) -> None:
     header = (
-        f"{'mode':<18} {'c':>4} | {'direct req/s':>12} {'p50 ms':>8} {'p99 ms':>8} | "
-        f"{'gateway req/s':>13} {'p50 ms':>8} {'p99 ms':>8} | {'added p50 ms':>12} {'added p99 ms':>12} "
+        f"{'mode':<18} {'c':>4} | {'direct req/s':>12} {'p50 ms':>8} {'p99 ms':>8} {'tail':>5} | "
+        f"{'gateway req/s':>13} {'p50 ms':>8} {'p99 ms':>8} {'tail':>5} | {'added p50 ms':>12} {'added p99 ms':>12} "
         f"{'gw cpu us/req':>13} {'errors':>6}"
     )
     print(header)
@@ -303,8 +330,9 @@ def print_table(rows: list[tuple[str, int, Result, Result]]) -> None:
     for mode, concurrency, direct, through in rows:
         print(
             f"{mode:<18} {concurrency:>4} | {direct.rps:>12.0f} {direct.percentile(0.5):>8.2f} "
-            f"{direct.percentile(0.99):>8.2f} | {through.rps:>13.0f} {through.percentile(0.5):>8.2f} "
-            f"{through.percentile(0.99):>8.2f} | {through.percentile(0.5) - direct.percentile(0.5):>12.2f} "
+            f"{direct.percentile(0.99):>8.2f} {direct.tail:>5.2f} | {through.rps:>13.0f} "
+            f"{through.percentile(0.5):>8.2f} {through.percentile(0.99):>8.2f} {through.tail:>5.2f} | "
+            f"{through.percentile(0.5) - direct.percentile(0.5):>12.2f} "
             f"{through.percentile(0.99) - direct.percentile(0.99):>12.2f} {through.cpu_us_per_request:>13.0f} "
             f"{direct.num_errors + through.num_errors:>6}"
         )
