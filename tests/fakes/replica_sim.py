@@ -19,9 +19,12 @@ Each replica models what makes routing matter, with every parameter in `SimParam
   `vllm:prefix_cache_hits_total` (tokens).
 
 Time is simulated by sleeping: `time_scale` < 1 runs the same schedule faster (every duration times the scale), so
-16 replicas fit in one process on 2 cores. The defaults stand for a 7-8B model on one H100-class GPU under vLLM
-(~20k prefill tokens/s, a ~12 ms decode step growing ~0.3 ms per running request, 64k tokens of prefix cache), set
-by hand from those engines' published figures, not measured here; change them in one place, `SimParams`.
+16 replicas fit in one process on 2 cores. Two presets, every value in `SimParams`:
+- `SimParams()` (also `SimParams.vllm_h100()`), the defaults: a 7-8B model on one H100-class GPU under vLLM (~20k
+  prefill tokens/s, a ~12 ms decode step growing ~0.3 ms per running request, 64k tokens of prefix cache), set by
+  hand from those engines' published figures, not measured here;
+- `SimParams.bundled_engine()`: the bundled SmolLM2-135M on the local engine's defaults, measured on a CPU host by
+  `benchmarks/calibrate_replica_sim.py`, which writes `replica_sim_bundled_engine.json` next to this file.
 Run standalone: `python tests/fakes/replica_sim.py --replicas 4 --port 9100` (ports 9100, 9101, ...).
 """
 
@@ -35,12 +38,24 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-__all__ = ["ReplicaFleet", "ReplicaSim", "ReplicaStats", "SimParams", "prompt_blocks", "render_prompt"]
+__all__ = [
+    "CALIBRATION_PATH",
+    "ReplicaFleet",
+    "ReplicaSim",
+    "ReplicaStats",
+    "SimParams",
+    "prompt_blocks",
+    "render_prompt",
+]
+
+# benchmarks/calibrate_replica_sim.py's output: {"params": {SimParams field: value}, what they were measured from}
+CALIBRATION_PATH = Path(__file__).with_name("replica_sim_bundled_engine.json")
 
 
 @dataclass(frozen=True)
@@ -55,6 +70,18 @@ class SimParams:
     max_waiting: int = 1024
     default_max_tokens: int = 16
     time_scale: float = 1.0
+
+    @classmethod
+    def vllm_h100(cls, time_scale: float = 1.0) -> SimParams:
+        """The defaults: a 7-8B model under vLLM on one H100-class GPU, from published figures (module docstring)."""
+        return cls(time_scale=time_scale)
+
+    @classmethod
+    def bundled_engine(cls, time_scale: float = 1.0, path: Path = CALIBRATION_PATH) -> SimParams:
+        """The bundled SmolLM2-135M on the local engine's default settings, as measured on a CPU host by
+        benchmarks/calibrate_replica_sim.py (`path`: its JSON; the fields it does not set keep their defaults)."""
+        values = orjson.loads(path.read_bytes())["params"]
+        return cls(**values, time_scale=time_scale)
 
 
 @dataclass
@@ -233,7 +260,7 @@ class ReplicaSim:
         await response.write(b"data: " + orjson.dumps(finish) + b"\n\n")
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
-            usage_chunk = {**base, "choices": [], "usage": _usage(seq)}
+            usage_chunk: dict[str, Any] = {**base, "choices": [], "usage": _usage(seq)}
             await response.write(b"data: " + orjson.dumps(usage_chunk) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -344,8 +371,10 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--port", type=int, default=9100)
     parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument("--preset", choices=["vllm-h100", "bundled-engine"], default="vllm-h100")
     args = parser.parse_args()
-    fleet = ReplicaFleet(args.replicas, SimParams(time_scale=args.time_scale), base_port=args.port).start()
+    preset = SimParams.bundled_engine if args.preset == "bundled-engine" else SimParams.vllm_h100
+    fleet = ReplicaFleet(args.replicas, preset(time_scale=args.time_scale), base_port=args.port).start()
     for replica in fleet.replicas:
         print(replica.base_url, replica.metrics_url)
     with contextlib.suppress(KeyboardInterrupt):
