@@ -1,0 +1,58 @@
+"""benchmarks/gateway_overhead.py: its tail figure is each round's own p99 / p50 (the median over rounds), and the
+script runs end to end (fast fake upstream, one real gateway worker, embedded Redis) at a tiny size."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gateway_overhead import Result  # noqa: E402  (a script, not a package)
+
+
+def test_the_tail_is_the_median_of_each_rounds_own_ratio() -> None:
+    calm = Result(100, 1.0, [10.0] * 99 + [20.0], 0)  # p50 10, p99 20
+    busy = Result(100, 1.0, [100.0] * 99 + [200.0], 0)  # p50 100, p99 200
+    assert calm.tail == busy.tail == 2.0
+    pooled = calm.plus(busy).plus(calm)
+    # Pooled, the busy round's latencies make a p99 (100) ten times the pooled p50 (10): no round had that tail.
+    assert pooled.percentile(0.99) / pooled.percentile(0.5) == 10.0
+    assert pooled.tail == 2.0
+    assert pooled.num_requests == 300 and len(pooled.tails) == 3
+
+
+@pytest.mark.timeout(300)
+def test_the_benchmark_prints_a_row_per_mode_and_concurrency() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/gateway_overhead.py",
+            "--seconds",
+            "0.4",
+            "--rounds",
+            "2",
+            "--concurrency",
+            "1,4",
+            "--modes",
+            "non-stream",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("non-stream", "stream"))]
+    assert [(row[0], row[1]) for row in rows] == [("non-stream", "1"), ("non-stream", "4")]
+    for row in rows:
+        assert row[-1] == "0"  # errors
+        gateway_tail = float(row[11])  # mode c | direct req/s p50 p99 tail | gateway req/s p50 p99 tail | ...
+        assert gateway_tail >= 1.0
