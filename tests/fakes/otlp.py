@@ -1,5 +1,5 @@
 """An OTLP/HTTP traces endpoint in the test process: it keeps each POST /v1/traces body and decodes the spans with
-`opentelemetry-proto` (as tests/gateway/test_tracing.py's receiver does)."""
+`opentelemetry-proto`."""
 
 from __future__ import annotations
 
@@ -47,15 +47,30 @@ class OtlpReceiver:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
-    def spans(self) -> list[Any]:
-        found = []
+    def requests(self) -> list[Any]:
+        decoded = []
         for body in list(self.bodies):
             request = ExportTraceServiceRequest()
             request.ParseFromString(body)
+            decoded.append(request)
+        return decoded
+
+    def spans(self) -> list[Any]:
+        found = []
+        for request in self.requests():
             for resource_spans in request.resource_spans:
                 for scope_spans in resource_spans.scope_spans:
                     found.extend(scope_spans.spans)
         return found
+
+    def service_names(self) -> set[str]:
+        names = set()
+        for request in self.requests():
+            for resource_spans in request.resource_spans:
+                for attribute in resource_spans.resource.attributes:
+                    if attribute.key == "service.name":
+                        names.add(attribute.value.string_value)
+        return names
 
 
 def span_attributes(span: Any) -> dict[str, Any]:

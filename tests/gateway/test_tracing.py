@@ -5,9 +5,7 @@ parent, errors marked, and no prompt or answer text anywhere in the export. Off 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -17,7 +15,7 @@ from fakes.server import ThreadedServer
 from fakes.upstream import PROMPT_TOKENS, Behavior, FakeUpstream
 
 pytest.importorskip("opentelemetry.sdk")
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from fakes.otlp import OtlpReceiver, span_attributes
 
 from gateway.tracing import tracing_from_env
 
@@ -26,73 +24,14 @@ CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
 
 
-class Receiver:
-    """An OTLP/HTTP traces endpoint: POST /v1/traces bodies, decoded."""
-
-    def __init__(self) -> None:
-        self.bodies: list[bytes] = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("content-length", "0")))
-                if self.path == "/v1/traces":
-                    receiver.bodies.append(body)
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def spans(self) -> list[Any]:
-        found = []
-        for body in self.bodies:
-            request = ExportTraceServiceRequest()
-            request.ParseFromString(body)
-            for resource_spans in request.resource_spans:
-                for scope_spans in resource_spans.scope_spans:
-                    found.extend(scope_spans.spans)
-        return found
-
-    def service_names(self) -> set[str]:
-        names = set()
-        for body in self.bodies:
-            request = ExportTraceServiceRequest()
-            request.ParseFromString(body)
-            for resource_spans in request.resource_spans:
-                for attribute in resource_spans.resource.attributes:
-                    if attribute.key == "service.name":
-                        names.add(attribute.value.string_value)
-        return names
-
-
 @pytest.fixture
-def receiver() -> Iterator[Receiver]:
-    receiver = Receiver()
-    receiver.thread.start()
-    yield receiver
-    receiver.server.shutdown()
-
-
-def attributes(span: Any) -> dict[str, Any]:
-    values = {}
-    for attribute in span.attributes:
-        value = attribute.value
-        values[attribute.key] = getattr(value, value.WhichOneof("value"))
-    return values
+def receiver() -> Iterator[OtlpReceiver]:
+    with OtlpReceiver() as receiver:
+        yield receiver
 
 
 def run_gateway(
-    monkeypatch: pytest.MonkeyPatch, receiver: Receiver, upstream: FakeUpstream, requests: list[dict[str, Any]]
+    monkeypatch: pytest.MonkeyPatch, receiver: OtlpReceiver, upstream: FakeUpstream, requests: list[dict[str, Any]]
 ) -> list[httpx.Response]:
     """Serve a traced gateway, send `requests` (kwargs for httpx), stop it (which flushes the spans)."""
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url)
@@ -111,7 +50,7 @@ def run_gateway(
 
 
 def test_one_request_is_one_span_tree_with_the_genai_attributes(
-    monkeypatch: pytest.MonkeyPatch, receiver: Receiver, fake_upstream: FakeUpstream
+    monkeypatch: pytest.MonkeyPatch, receiver: OtlpReceiver, fake_upstream: FakeUpstream
 ) -> None:
     body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": SECRET_PROMPT}]}
     headers = {"authorization": f"Bearer {MASTER}", "traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"}
@@ -124,7 +63,7 @@ def test_one_request_is_one_span_tree_with_the_genai_attributes(
     (root,) = [s for s in spans if s.name == "chat m"]
     assert root.trace_id.hex() == CLIENT_TRACE_ID and root.parent_span_id.hex() == CLIENT_SPAN_ID
     assert root.kind == root.SPAN_KIND_SERVER
-    values = attributes(root)
+    values = span_attributes(root)
     assert values["gen_ai.operation.name"] == "chat"
     assert values["gen_ai.request.model"] == "m" and values["gen_ai.response.model"] == "m"
     assert values["gen_ai.request.max_tokens"] == 5
@@ -140,7 +79,7 @@ def test_one_request_is_one_span_tree_with_the_genai_attributes(
     assert all(s.trace_id == root.trace_id for s in spans)
     attempt = children["unigate.attempt up"]
     assert attempt.kind == attempt.SPAN_KIND_CLIENT
-    assert attributes(attempt)["server.address"] == "127.0.0.1"
+    assert span_attributes(attempt)["server.address"] == "127.0.0.1"
     assert [s.name for s in spans if s.parent_span_id == attempt.span_id] == ["unigate.upstream_slot"]
     for span in spans:
         assert root.start_time_unix_nano <= span.start_time_unix_nano <= span.end_time_unix_nano
@@ -155,7 +94,7 @@ def test_one_request_is_one_span_tree_with_the_genai_attributes(
 
 
 def test_a_stream_has_its_own_span_and_an_error_marks_the_root(
-    monkeypatch: pytest.MonkeyPatch, receiver: Receiver, fake_upstream: FakeUpstream
+    monkeypatch: pytest.MonkeyPatch, receiver: OtlpReceiver, fake_upstream: FakeUpstream
 ) -> None:
     fake_upstream.queue(Behavior(), Behavior(mode="status", status=400))
     headers = {"authorization": f"Bearer {MASTER}"}
@@ -174,14 +113,14 @@ def test_a_stream_has_its_own_span_and_an_error_marks_the_root(
     spans = receiver.spans()
     roots = [s for s in spans if s.name == "chat m"]
     assert len(roots) == 2 and roots[0].trace_id != roots[1].trace_id  # no traceparent: a new trace each
-    by_request = {attributes(r)["unigate.request_id"]: r for r in roots}
+    by_request = {span_attributes(r)["unigate.request_id"]: r for r in roots}
     streamed, errored = by_request[ok.headers["x-request-id"]], by_request[failed.headers["x-request-id"]]
     assert "unigate.stream" in {s.name for s in spans if s.parent_span_id == streamed.span_id}
-    assert attributes(streamed)["unigate.stream"] is True
+    assert span_attributes(streamed)["unigate.stream"] is True
     assert errored.status.code == errored.status.STATUS_CODE_ERROR
-    assert attributes(errored)["error.type"] == failed.json()["error"]["code"]
+    assert span_attributes(errored)["error.type"] == failed.json()["error"]["code"]
     (failed_attempt,) = [s for s in spans if s.parent_span_id == errored.span_id and s.name == "unigate.attempt up"]
-    assert attributes(failed_attempt)["http.response.status_code"] == 400
+    assert span_attributes(failed_attempt)["http.response.status_code"] == 400
     assert b"hunter2" not in b"".join(receiver.bodies)
 
 
@@ -197,7 +136,7 @@ def test_tracing_is_off_unless_the_variables_ask(monkeypatch: pytest.MonkeyPatch
 
 
 def test_an_unsampled_request_exports_nothing(
-    monkeypatch: pytest.MonkeyPatch, receiver: Receiver, fake_upstream: FakeUpstream
+    monkeypatch: pytest.MonkeyPatch, receiver: OtlpReceiver, fake_upstream: FakeUpstream
 ) -> None:
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -213,7 +152,7 @@ def test_an_unsampled_request_exports_nothing(
 
 
 def test_a_parent_based_ratio_follows_the_clients_sampled_flag(
-    monkeypatch: pytest.MonkeyPatch, receiver: Receiver, fake_upstream: FakeUpstream
+    monkeypatch: pytest.MonkeyPatch, receiver: OtlpReceiver, fake_upstream: FakeUpstream
 ) -> None:
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
     monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")
@@ -235,4 +174,4 @@ def test_a_parent_based_ratio_follows_the_clients_sampled_flag(
     spans = receiver.spans()
     assert spans and {s.trace_id.hex() for s in spans} == {CLIENT_TRACE_ID}
     (root,) = [s for s in spans if s.name == "chat m"]
-    assert attributes(root)["unigate.request_id"] == responses[2].headers["x-request-id"]
+    assert span_attributes(root)["unigate.request_id"] == responses[2].headers["x-request-id"]
