@@ -1,4 +1,5 @@
-"""benchmarks/fleet_routing.py runs end to end at a tiny size: every policy, one and two gateways, the table."""
+"""benchmarks/fleet_routing.py runs end to end at a tiny size: every policy, one and two gateways, the table; and
+SLO-aware admission's scenario."""
 
 from __future__ import annotations
 
@@ -25,3 +26,5 @@ def test_fleet_routing_benchmark_quick_run_prints_every_policy() -> None:
     for policy in ("round_robin", "least_in_flight", "least_load", "prefix_affinity", "prefix_affinity, 2 gateways"):
         assert f"| 4 | {policy} |" in result.stdout
     assert "one infinitely large replica's hit rate" in result.stdout
+    for admission in ("none", "slo", "slo, seeded"):  # SLO-aware admission at twice the fleet's capacity
+        assert f"| {admission} | " in result.stdout
