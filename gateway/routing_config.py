@@ -35,7 +35,7 @@ models:
       max_wait_ms: 250           # a waiting request's deadline (default: half of ttft_ms, else 1000)
       max_limit: 256             # the live limit's ceiling per deployment
     slo_seed: runs/qwen.json     # optional: a `unigate bench --slo ... --out` file; its max concurrency meeting
-                                 # the SLO starts every deployment's limit (a path relative to the working directory)
+                                 # the SLO starts every deployment's limit (relative: to this file's directory)
     pricing:                     # optional: price per million tokens, charged to keys' spend (budget_usd)
       input_per_mtok: 0.15
       output_per_mtok: 0.60
@@ -81,6 +81,7 @@ from pydantic import (
     PrivateAttr,
     SerializerFunctionWrapHandler,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -313,13 +314,15 @@ class ModelConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _check_slo(self) -> ModelConfig:
+    def _check_slo(self, info: ValidationInfo) -> ModelConfig:
         if self.slo is None:
             if self.slo_seed is not None or any(d.max_concurrency is not None for d in self.deployments):
                 raise ValueError("`slo_seed` and a deployment's `max_concurrency` need the model's `slo`; add one")
             return self
         if self.slo_seed is not None:
-            self._seed_concurrency = read_slo_seed(self.slo_seed)
+            base_dir = info.context.get("base_dir") if isinstance(info.context, dict) else None
+            path = Path(self.slo_seed)
+            self._seed_concurrency = read_slo_seed(path if base_dir is None else Path(base_dir) / path)
         return self
 
     @property
@@ -332,21 +335,21 @@ class ModelConfig(BaseModel):
         return self._seed_concurrency
 
 
-def read_slo_seed(path: str) -> int:
+def read_slo_seed(path: Path) -> int:
     """`slo_result.max_concurrency_meeting_slo` of a `unigate bench --slo ... --out` file (docs/bench.md)."""
     try:
         data = json.loads(Path(path).read_text())
     except OSError as exc:
         raise ValueError(
-            f"cannot read `slo_seed` {path!r} ({exc.strerror}); give a `unigate bench --out` file"
+            f"cannot read `slo_seed` '{path}' ({exc.strerror}); give a `unigate bench --out` file"
         ) from None
     except ValueError:
-        raise ValueError(f"`slo_seed` {path!r} is not JSON; give a `unigate bench --slo ... --out` file") from None
+        raise ValueError(f"`slo_seed` '{path}' is not JSON; give a `unigate bench --slo ... --out` file") from None
     result = data.get("slo_result") if isinstance(data, dict) else None
     value = result.get("max_concurrency_meeting_slo") if isinstance(result, dict) else None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(
-            f"`slo_seed` {path!r} has no `slo_result.max_concurrency_meeting_slo` (a concurrency run with --slo whose "
+            f"`slo_seed` '{path}' has no `slo_result.max_concurrency_meeting_slo` (a concurrency run with --slo whose "
             "lowest level met the SLO); run `unigate bench --concurrency ... --slo ...` or set `max_concurrency`"
         )
     return value
@@ -393,12 +396,13 @@ class RoutingConfig(BaseModel):
         return self
 
 
-def parse_routing(data: Any, *, source: str) -> RoutingConfig:
-    """Validate an already-loaded YAML document; errors name `source`, the field path and the fix."""
+def parse_routing(data: Any, *, source: str, base_dir: Path | None = None) -> RoutingConfig:
+    """Validate an already-loaded YAML document; errors name `source`, the field path and the fix. A relative
+    `slo_seed` is read from `base_dir` (the routing file's directory), else from the working directory."""
     if data is None:
         data = {}
     try:
-        return RoutingConfig.model_validate(data)
+        return RoutingConfig.model_validate(data, context={"base_dir": base_dir})
     except ValidationError as exc:
         raise RoutingConfigError(_describe(exc, source)) from None
 
@@ -414,7 +418,7 @@ def load_routing(path: Path) -> RoutingConfig:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise RoutingConfigError(f"{path}: not valid YAML ({exc}). Fix the syntax at the position shown.") from None
-    return parse_routing(data, source=str(path))
+    return parse_routing(data, source=str(path), base_dir=path.parent)
 
 
 def default_routing(settings: Settings) -> RoutingConfig:

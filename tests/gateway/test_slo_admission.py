@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from gateway.errors import OverloadedError
 from gateway.router import Router
-from gateway.routing_config import RoutingConfigError, SloConfig, parse_routing
+from gateway.routing_config import RoutingConfigError, SloConfig, load_routing, parse_routing
 from gateway.slo_admission import (
     DECREASE_FACTOR,
     MIN_EPOCH_REQUESTS,
@@ -387,6 +388,16 @@ def test_a_bench_run_seeds_every_deployment_and_max_concurrency_overrides_it(tmp
     limits = [d.slo.limit for d in route.deployments if d.slo is not None]
     assert limits == [16, 3]
     assert [row[1] for row in router.slo_states()] == ["d0", "d1"]
+
+
+def test_a_relative_slo_seed_is_read_next_to_the_routing_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "knee.json").write_text(json.dumps({"slo_result": {"max_concurrency_meeting_slo": 12}}))
+    document = routing(tmp_path, {"slo": {"tpot_ms": 50}, "slo_seed": "runs/knee.json"})
+    path = tmp_path / "unigate.yaml"
+    path.write_text(yaml.safe_dump(document))
+    monkeypatch.chdir("/")
+    assert load_routing(path).models[0].seed_concurrency == 12
 
 
 def test_a_seed_above_the_ceiling_starts_at_the_ceiling(tmp_path: Path) -> None:
