@@ -152,6 +152,67 @@ TestFairQueueMachine = FairQueueMachine.TestCase
 TestFairQueueMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 
 
+class AdmissionMachine(RuleBasedStateMachine):
+    """`DeploymentSlo` driven on its own event loop by arrivals of three tenants and releases, against a reference:
+    nobody waits while there is room (work-conserving), never more in flight than the limit, and the waiters start
+    in exactly the order a reference fair queue (checked above) gives them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.state = DeploymentSlo(slo(max_wait_ms=3_600_000, max_queue=1000), seed=2)
+        self.reference: FairQueue[int] = FairQueue()
+        self.expected: list[int] = []  # start order the reference predicts
+        self.started: list[int] = []
+        self.held: list[Any] = []
+        self.next_id = 0
+
+    def teardown(self) -> None:
+        for task in asyncio.all_tasks(self.loop):
+            task.cancel()
+        self.loop.run_until_complete(asyncio.sleep(0))
+        self.loop.close()
+
+    def settle(self) -> None:
+        for _ in range(3):
+            self.loop.run_until_complete(asyncio.sleep(0))
+
+    async def arrive_as(self, request_id: int, who: Who) -> None:
+        ticket = await self.state.admit(who)
+        self.started.append(request_id)
+        self.held.append(ticket)
+
+    @rule(tenant=st.sampled_from("abc"), weight=st.sampled_from([1.0, 2.0]))
+    def arrive(self, tenant: str, weight: float) -> None:
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        if self.state.has_room:
+            self.expected.append(request_id)
+        else:
+            self.reference.push(request_id, tenant, weight)
+        self.loop.create_task(self.arrive_as(request_id, Who(tenant, weight)))
+        self.settle()
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        ticket = self.held.pop(data.draw(st.integers(0, len(self.held) - 1)))
+        self.state.release(ticket)  # no sample: the limit stays
+        if (request_id := self.reference.pop()) is not None:
+            self.expected.append(request_id)
+        self.settle()
+
+    @invariant()
+    def as_the_reference(self) -> None:
+        assert self.started == self.expected
+        assert self.state.num_admitted == len(self.held) <= self.state.limit
+        assert self.state.num_queued == len(self.reference)
+        assert self.state.num_queued == 0 or self.state.num_admitted == self.state.limit
+
+
+TestAdmissionMachine = AdmissionMachine.TestCase
+TestAdmissionMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
 # -- the limit (AIMD) -----------------------------------------------------------------------------------------
 
 
