@@ -1,5 +1,6 @@
 """benchmarks/gateway_overhead.py: its tail figure is each round's own p99 / p50 (the median over rounds), and the
-script runs end to end (fast fake upstream, one real gateway worker, embedded Redis) at a tiny size."""
+script runs end to end (fast fake upstream, one real gateway worker, embedded Redis) at a tiny size; so does
+benchmarks/gateway_tail.py, the gateway's GC and event-loop probes included."""
 
 from __future__ import annotations
 
@@ -56,3 +57,29 @@ def test_the_benchmark_prints_a_row_per_mode_and_concurrency() -> None:
         assert row[-1] == "0"  # errors
         gateway_tail = float(row[11])  # mode c | direct req/s p50 p99 tail | gateway req/s p50 p99 tail | ...
         assert gateway_tail >= 1.0
+
+
+@pytest.mark.timeout(300)
+def test_the_tail_probe_reports_latency_gc_and_who_was_slow() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/gateway_tail.py",
+            "--concurrency",
+            "4",
+            "--seconds",
+            "0.5",
+            "--gc-threshold",
+            "700",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "c=4: gateway CPU" in out and "p99/p50" in out and "were slow together" in out
+    assert "GC generation 0:" in out  # a threshold of 700 collects many times in half a second of requests
