@@ -47,6 +47,15 @@ MIN_MASTER_KEY_CHARS = 32  # a generated key has 49
 _SETTINGS_ENV = "UNIGATE__RESOLVED_SETTINGS"
 _ENGINE_SOCKETS_ENV = "UNIGATE__ENGINE_SOCKETS"
 
+# A young-generation collection runs once this many more container objects were allocated than freed, and walks every
+# young one still alive. Each request in flight holds ~280 (c=128: ~36,000), so at 20,000 the collector ran ~1.5
+# times a second at c=128 and 8 times at c=512, walking every request in flight each time: at c=512 a quarter of the
+# gateway's CPU, so an overloaded gateway served fewer requests the more it was sent. At 100,000 it ran once in 45 s
+# at c=128 and once in 6 s at c=512 (72-98 ms, shorter than the older generation's 114-132 ms it replaced there);
+# at c=512 32% less CPU per request and 1.67x the requests/s (benchmarks/gateway_tail.py; benchmarks/RESULTS.md,
+# 2026-12-06: the overload tail).
+_GC_YOUNG_THRESHOLD = 100_000
+
 
 def build_app(settings: Settings) -> Starlette:
     """The production app one worker serves: Redis-backed keys and limits (the configured Redis, or the embedded
@@ -136,7 +145,7 @@ def app_from_env() -> ASGIApp:
     # less often (profiled: ~10% of the hot path's CPU went to the cyclic GC; with this, ~25% less CPU/request).
     gc.collect()
     gc.freeze()
-    gc.set_threshold(20_000, 20, 20)
+    gc.set_threshold(_GC_YOUNG_THRESHOLD, 20, 20)
     return ForwardedClientMiddleware(app, forwarded_allow_ips())
 
 
