@@ -26,7 +26,7 @@ capacity is the fleet's throughput at the largest batch whose decode step meets 
 Run without `slo`, with it (no seed: the limits start at 1), and with it seeded (`max_concurrency`: that batch);
 reported: requests served and shed, the SLO goodput (requests/s that met both targets as the client saw them,
 queueing included, over the arrival window), the attainment, TTFT / TPOT p95 of the served, and the longest wait of
-an admitted request against its deadline (the router's `slo_states()`, what `GET /admin/models` shows).
+an admitted request against its deadline (`gateway.slo_admission.slo_states`, what `GET /admin/models` shows).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from fakes.server import ThreadedServer  # noqa: E402
 from gateway.app import create_app  # noqa: E402
 from gateway.routing_config import parse_routing  # noqa: E402
 from gateway.settings import Settings  # noqa: E402
+from gateway.slo_admission import slo_states  # noqa: E402
 
 MASTER = "sk-ug-bench-fleet-0123456789abcdef"
 SLO_SIM = {"max_batch": 16, "decode_step_s": 0.02, "decode_s_per_seq": 0.002}
@@ -364,7 +365,7 @@ async def run_slo(admission: str, args: argparse.Namespace) -> SloResult:
                     tasks.append(asyncio.create_task(slo_request(http, url, body, scale)))
                     at += rng.expovariate(rate)
                 outcomes = await asyncio.gather(*tasks)
-            waits = [state["max_admitted_wait_ms"] for _, _, state in app.state.router.slo_states()]
+            waits = [state["max_admitted_wait_ms"] for _, _, state in slo_states(app.state.router.routes)]
         finally:
             server.stop()
     served = [(ttft, tpot) for status, ttft, tpot in outcomes if status == 200 and ttft is not None]

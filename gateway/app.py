@@ -91,7 +91,7 @@ def create_app(
                     if deployment.name not in provided:
                         built[deployment.name] = build_backend(deployment, settings)
             app.state.router = engine_collector.router = Router(routing, {**built, **provided})
-            metrics.watch_slo(app.state.router.slo_states)
+            metrics.watch_slo(app.state.router.routes)
             tasks = RouterTasks(app.state.router, settings, access, poller)
             app.state.health_prober = tasks.prober
             tasks.start()

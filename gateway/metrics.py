@@ -10,12 +10,14 @@ route template, `deployment` a configured deployment name.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from gateway.slo_admission import slo_states
 
 __all__ = ["CONTENT_TYPE", "KNOWN_ERROR_CODES", "OTHER", "GatewayMetrics"]
 
@@ -93,7 +95,6 @@ _SLO_GAUGES = {
     "tpot_p50_ms": ("unigate_slo_tpot_p50_ms", "TPOT p50 over the deployment's recent streams (ms)."),
     "tpot_p95_ms": ("unigate_slo_tpot_p95_ms", "TPOT p95 over the deployment's recent streams (ms)."),
 }
-SloStates = Callable[[], Iterable[tuple[str, str, dict[str, Any]]]]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -165,9 +166,9 @@ class GatewayMetrics:
         if model_ids is not None:
             self.bind_models(model_ids)
 
-    def watch_slo(self, states: SloStates) -> None:
-        """Where the SLO gauges are read at scrape time (`Router.slo_states`, once the router exists)."""
-        self._slo.states = states
+    def watch_slo(self, routes: Iterable[Any]) -> None:
+        """The router's routes, whose SLO admission state the gauges read at scrape time (once the router exists)."""
+        self._slo.routes = routes
 
     @property
     def has_models(self) -> bool:
@@ -226,13 +227,13 @@ class _SloCollector(Collector):
     """The `unigate_slo_*` gauges, labelled by model and deployment (configured names only)."""
 
     def __init__(self) -> None:
-        self.states: SloStates | None = None
+        self.routes: Iterable[Any] = ()
 
     def describe(self) -> list[Metric]:
         return []  # collected on demand: the router does not exist yet when the registry is built
 
     def collect(self) -> Iterator[Metric]:
-        rows = list(self.states()) if self.states is not None else []
+        rows = list(slo_states(self.routes))
         if not rows:
             return
         for key, (name, help_text) in _SLO_GAUGES.items():

@@ -34,9 +34,9 @@ import difflib
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from backends.base import Backend, Json
 from backends.retry_after import parse_retry_after
@@ -296,14 +296,6 @@ class Router:
         best = min(d.num_in_flight / d.config.weight for d in fresh)
         ties = [d for d in fresh if d.num_in_flight / d.config.weight == best]
         return random.choices(ties, weights=[d.config.weight for d in ties])[0]
-
-    def slo_states(self) -> Iterator[tuple[str, str, dict[str, Any]]]:
-        """`(model id, deployment, DeploymentSlo.state())` of every deployment of a model with `slo`."""
-        for route in self.routes:
-            if route.has_slo:
-                for deployment in route.deployments:
-                    if deployment.slo is not None:
-                        yield route.id, deployment.name, deployment.slo.state()
 
     def _after_429(
         self, deployment: Deployment, retry_after: float | None, attempt_number: int, spent: set[str]

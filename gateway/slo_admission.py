@@ -30,16 +30,16 @@ each measuring the latency its own requests see.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol
 
 from backends.base import Json, ReportsStreamUsage
 from gateway.errors import OverloadedError
+from gateway.fair_queue import FairQueue, QueueEntry
 from gateway.routing_config import SloConfig
 
 __all__ = [
@@ -48,11 +48,11 @@ __all__ = [
     "SLOW_START_EXIT",
     "WINDOW_REQUESTS",
     "DeploymentSlo",
-    "FairQueue",
     "SloTicket",
     "TenantLike",
     "TimedStream",
     "percentile",
+    "slo_states",
     "with_room",
 ]
 
@@ -60,9 +60,6 @@ DECREASE_FACTOR = 0.7  # the limit after an epoch that broke the SLO, times the 
 SLOW_START_EXIT = 0.8  # slow start ends at an epoch whose p95 is above this share of the SLO's
 MIN_EPOCH_REQUESTS = 8  # the fewest samples that judge a limit
 WINDOW_REQUESTS = 100  # the sliding window's length (the p50 / p95 shown)
-_PRIORITY_RANKS = {"high": 0, "normal": 1, "low": 2}
-
-T = TypeVar("T")
 
 
 class TenantLike(Protocol):
@@ -78,74 +75,6 @@ class TenantLike(Protocol):
     def priority(self) -> str: ...
 
 
-@dataclass(slots=True)
-class _Entry(Generic[T]):
-    item: T
-    tenant: str
-    weight: float
-    rank: int
-    seq: int
-    is_queued: bool = True
-
-
-class FairQueue(Generic[T]):
-    """Waiters across tenants in fair order: the best priority class first; within a class the tenant with the
-    lowest virtual counter (each waiter served adds 1 / its weight; ties: the earliest waiting); FIFO within a
-    tenant. A tenant whose last waiter leaves drops out and its counter with it (idle time banks no credit); one
-    that joins starts at the lowest counter of its class."""
-
-    def __init__(self) -> None:
-        self._lines: list[dict[str, deque[_Entry[T]]]] = [{} for _ in _PRIORITY_RANKS]
-        self._counters: list[dict[str, float]] = [{} for _ in _PRIORITY_RANKS]
-        self._seq = itertools.count()
-        self._num_queued = 0
-
-    def __len__(self) -> int:
-        return self._num_queued
-
-    def push(self, item: T, tenant: str = "", weight: float = 1.0, priority: str = "normal") -> _Entry[T]:
-        rank = _PRIORITY_RANKS.get(priority, 1)
-        lines, counters = self._lines[rank], self._counters[rank]
-        line = lines.get(tenant)
-        if line is None:
-            line = lines[tenant] = deque()
-            counters[tenant] = min(counters.values(), default=0.0)
-        entry = _Entry(item, tenant, weight if weight > 0 else 1.0, rank, next(self._seq))
-        line.append(entry)
-        self._num_queued += 1
-        return entry
-
-    def pop(self) -> T | None:
-        """The next waiter in fair order, taken out; None when none waits."""
-        for lines, counters in zip(self._lines, self._counters, strict=True):
-            if not lines:
-                continue
-            tenant = min(lines, key=lambda t: (counters[t], lines[t][0].seq))
-            line = lines[tenant]
-            entry = line.popleft()
-            entry.is_queued = False
-            self._num_queued -= 1
-            if line:
-                counters[tenant] += 1.0 / entry.weight
-            else:
-                del lines[tenant], counters[tenant]
-            return entry.item
-        return None
-
-    def remove(self, entry: _Entry[T]) -> bool:
-        """Take a waiter out (its deadline passed, or it left); False when it was already served."""
-        if not entry.is_queued:
-            return False
-        entry.is_queued = False
-        self._num_queued -= 1
-        lines = self._lines[entry.rank]
-        line = lines[entry.tenant]
-        line.remove(entry)
-        if not line:
-            del lines[entry.tenant], self._counters[entry.rank][entry.tenant]
-        return True
-
-
 @dataclass(frozen=True, slots=True)
 class SloTicket:
     """An admitted request's place: the generation of the limit it was admitted under."""
@@ -157,7 +86,7 @@ class SloTicket:
 class _Waiter:
     future: asyncio.Future[SloTicket]
     enqueued_at: float
-    entry: _Entry[_Waiter] | None = None
+    entry: QueueEntry[_Waiter] | None = None
     timer: asyncio.TimerHandle | None = None
 
 
@@ -337,6 +266,16 @@ class DeploymentSlo:
             f"{retry_after} s, or send fewer requests at once.",
             headers={"retry-after": str(retry_after)},
         )
+
+
+def slo_states(routes: Iterable[Any]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """`(model id, deployment, DeploymentSlo.state())` of every deployment of the routes' models with `slo` (the
+    router's `ModelRoute`s): what the Prometheus gauges read at scrape time."""
+    for route in routes:
+        if route.has_slo:
+            for deployment in route.deployments:
+                if deployment.slo is not None:
+                    yield route.id, deployment.name, deployment.slo.state()
 
 
 def with_room(deployments: Sequence[Any]) -> list[Any]:

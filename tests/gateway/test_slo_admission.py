@@ -18,15 +18,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from gateway.errors import OverloadedError
+from gateway.fair_queue import FairQueue
 from gateway.router import Router
 from gateway.routing_config import RoutingConfigError, SloConfig, load_routing, parse_routing
 from gateway.slo_admission import (
     DECREASE_FACTOR,
     MIN_EPOCH_REQUESTS,
     DeploymentSlo,
-    FairQueue,
     TimedStream,
     percentile,
+    slo_states,
     with_room,
 )
 
@@ -448,7 +449,7 @@ def test_a_bench_run_seeds_every_deployment_and_max_concurrency_overrides_it(tmp
     assert route.has_slo
     limits = [d.slo.limit for d in route.deployments if d.slo is not None]
     assert limits == [16, 3]
-    assert [row[1] for row in router.slo_states()] == ["d0", "d1"]
+    assert [row[1] for row in slo_states(router.routes)] == ["d0", "d1"]
 
 
 def test_a_relative_slo_seed_is_read_next_to_the_routing_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -494,5 +495,5 @@ def test_a_model_without_slo_has_no_admission_state(tmp_path: Path) -> None:
     router = Router(config, {"d0": object(), "d1": object()})  # type: ignore[dict-item]
     route = router.routes[0]
     assert not route.has_slo and all(d.slo is None for d in route.deployments)
-    assert list(router.slo_states()) == []
+    assert list(slo_states(router.routes)) == []
     assert route.config.model_dump()["slo"] is None
