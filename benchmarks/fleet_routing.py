@@ -3,8 +3,10 @@
     .venv/bin/python benchmarks/fleet_routing.py [--replicas 4,16] [--sessions 48] [--turns 8] [--quick]
 
 The fleet is tests/fakes/replica_sim.py (vLLM-like replicas: a prefix cache, prefill per uncached token, decode
-steps growing with the batch, `/metrics`), all on one event loop in this process; the gateway is `create_app` under
-uvicorn in a thread (master key, no Redis). The trace: `--sessions` agent sessions, each over one of `--prompts`
+steps growing with the batch, `/metrics`), all on one event loop in this process (`--preset vllm-h100`, the
+default, or `bundled-engine`: the calibration of benchmarks/calibrate_replica_sim.py); the gateways are `create_app`
+under uvicorn in threads, on one embedded Redis (master key; the instances share prefix_affinity's moves through
+it, gateway/placement_sync.py). The trace: `--sessions` agent sessions, each over one of `--prompts`
 shared system prompts of 2-6k tokens, each turn resending the whole conversation plus a tool result of 150-600
 tokens, streamed; sessions start staggered and think 0.1-0.5 s between turns. Each policy runs the same trace on a
 fresh fleet:
@@ -36,6 +38,7 @@ import asyncio
 import random
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +52,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from fakes.replica_sim import ReplicaFleet, SimParams, prompt_blocks, render_prompt  # noqa: E402
 from fakes.server import ThreadedServer  # noqa: E402
 
+from auth.access import AccessConfig, RedisAccess  # noqa: E402
+from auth.embedded_redis import EmbeddedRedis  # noqa: E402
+from auth.redis_client import connect  # noqa: E402
 from gateway.app import create_app  # noqa: E402
 from gateway.routing_config import parse_routing  # noqa: E402
 from gateway.settings import Settings  # noqa: E402
@@ -173,16 +179,26 @@ def gateway(fleet: ReplicaFleet, policy: str, args: argparse.Namespace) -> Threa
         engine={"enabled": False},  # type: ignore[arg-type]
         health_probe_interval_s=0,
     )
-    app = create_app(settings, routing=parse_routing(routing(fleet, policy, args), source="bench"))
+    access = RedisAccess(connect(args.redis_url), config=AccessConfig(), master_key=MASTER)
+    app = create_app(
+        settings,
+        access=access,
+        upstream_limiter=access.upstream_limiter,
+        routing=parse_routing(routing(fleet, policy, args), source="bench"),
+    )
     return ThreadedServer(app, log_level="error").start()
+
+
+def sim_params(args: argparse.Namespace) -> SimParams:
+    preset = SimParams.bundled_engine if args.preset == "bundled-engine" else SimParams.vllm_h100
+    return preset(time_scale=args.time_scale)
 
 
 async def run_policy(
     policy: str, num_replicas: int, num_gateways: int, args: argparse.Namespace, trace: tuple[Any, Any]
 ) -> Result:
     systems, sessions = trace
-    params = SimParams(time_scale=args.time_scale)
-    with ReplicaFleet(num_replicas, params) as fleet:
+    with ReplicaFleet(num_replicas, sim_params(args)) as fleet:
         servers = [gateway(fleet, policy, args) for _ in range(num_gateways)]
         try:
             urls = [f"{s.url}/v1/chat/completions" for s in servers]
@@ -243,7 +259,7 @@ def report(results: list[Result], infinite: float) -> None:
 async def main_async(args: argparse.Namespace) -> None:
     if not args.slo_only:
         trace = make_trace(args)
-        infinite = infinite_hit_rate(*trace, SimParams(), args.out_tokens)
+        infinite = infinite_hit_rate(*trace, sim_params(args), args.out_tokens)
         results = []
         for num_replicas in args.replicas:
             for policy in args.policies:
@@ -426,6 +442,7 @@ def main() -> None:
     parser.add_argument("--load-factor", type=float, default=1.5, help="prefix_affinity's affinity.load_factor")
     parser.add_argument("--load-slack", type=int, default=0, help="prefix_affinity's affinity.load_slack")
     parser.add_argument("--no-two-gateways", dest="two_gateways", action="store_false")
+    parser.add_argument("--preset", choices=["vllm-h100", "bundled-engine"], default="vllm-h100")
     parser.add_argument("--no-slo", dest="slo", action="store_false", help="skip the SLO-aware admission scenario")
     parser.add_argument("--slo-only", action="store_true", help="only the SLO-aware admission scenario")
     parser.add_argument("--slo-replicas", type=int, default=2)
@@ -435,7 +452,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.replicas, args.sessions, args.turns, args.slo_seconds = [4], 6, 2, 4.0
-    asyncio.run(main_async(args))
+    with tempfile.TemporaryDirectory() as directory:
+        redis = EmbeddedRedis(Path(directory) / "redis")
+        args.redis_url = redis.start()
+        try:
+            asyncio.run(main_async(args))
+        finally:
+            redis.stop()
 
 
 if __name__ == "__main__":
