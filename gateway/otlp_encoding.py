@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
-__all__ = ["EncodedSpan", "encode_attributes", "encode_request"]
+__all__ = ["SpanRow", "encode_attributes", "encode_request", "encode_spans"]
 
 _FIXED64 = struct.Struct("<Q")
 _DOUBLE = struct.Struct("<d")
@@ -74,52 +73,44 @@ def encode_attributes(attributes: Mapping[str, object]) -> bytes:
     )
 
 
-@dataclass(slots=True)
-class EncodedSpan:
-    """What the encoder needs of one finished span (gateway/tracing.py's spans hand these over)."""
-
-    span_id: int
-    parent_id: int  # 0: a root without a parent
-    name: str
-    kind: int  # OTLP SpanKind: 1 internal, 2 server, 3 client
-    start_ns: int
-    end_ns: int
-    attributes: list[tuple[str, object]] = field(default_factory=list)
-    error_type: str = ""  # set: status ERROR
-    parent_is_remote: bool = False
+# One finished span, as gateway/request_spans.py records it (a plain tuple: made on the request's path, read here
+# in the export thread): name, span id, parent span id (0: none), OTLP kind (1 internal, 2 server, 3 client),
+# start and end (ns since the epoch), attributes ((key, value) pairs), error type ("": none), parent is remote.
+SpanRow = tuple[str, int, int, int, int, int, Sequence[tuple[str, object]], str, bool]
 
 
-def _span(span: EncodedSpan, trace_id: bytes, trace_state: bytes) -> bytes:
-    parts = [b"\x0a\x10", trace_id, b"\x12\x08", span.span_id.to_bytes(8, "big")]
+def _span(row: SpanRow, trace_id: bytes, trace_state: bytes) -> bytes:
+    name, span_id, parent_id, kind, start_ns, end_ns, attributes, error_type, parent_is_remote = row
+    parts = [b"\x0a\x10", trace_id, b"\x12\x08", span_id.to_bytes(8, "big")]
     if trace_state:
         parts.append(trace_state)
-    if span.parent_id:
-        parts += (b"\x22\x08", span.parent_id.to_bytes(8, "big"))
+    if parent_id:
+        parts += (b"\x22\x08", parent_id.to_bytes(8, "big"))
     parts += (
-        _field(0x2A, span.name.encode()),
+        _field(0x2A, name.encode()),
         b"\x30",
-        _SMALL[span.kind],
+        _SMALL[kind],
         b"\x39",
-        _FIXED64.pack(span.start_ns),
+        _FIXED64.pack(start_ns),
         b"\x41",
-        _FIXED64.pack(span.end_ns),
+        _FIXED64.pack(end_ns),
     )
-    parts += [_key_value(key, value) for key, value in span.attributes]
-    if span.error_type:
-        parts.append(_field(0x7A, b"\x18\x02"))  # Status { code: STATUS_CODE_ERROR }
-    parts.append(_FLAGS_REMOTE_PARENT if span.parent_is_remote else _FLAGS_LOCAL_PARENT)
+    parts += [_key_value(key, value) for key, value in attributes]
+    if error_type:
+        parts += (_key_value("error.type", error_type), _field(0x7A, b"\x18\x02"))  # Status { code: ERROR }
+    parts.append(_FLAGS_REMOTE_PARENT if parent_is_remote else _FLAGS_LOCAL_PARENT)
     return _field(0x12, b"".join(parts))  # ScopeSpans.spans
 
 
-def encode_request(
-    resource_attributes: bytes, scope_name: str, traces: Iterable[tuple[bytes, str, Sequence[EncodedSpan]]]
-) -> bytes:
-    """One ExportTraceServiceRequest: one resource, one scope, every span of `traces` ((trace id, tracestate,
-    spans) each)."""
-    spans = []
-    for trace_id, trace_state, trace_spans in traces:
-        state = _field(0x1A, trace_state.encode()) if trace_state else b""
-        spans += [_span(span, trace_id, state) for span in trace_spans]
+def encode_spans(trace_id: int, trace_state: str, rows: Iterable[SpanRow]) -> bytes:
+    """One trace's spans, as the `spans` fields of a ScopeSpans (pieces that `encode_request` joins)."""
+    trace_bytes = trace_id.to_bytes(16, "big")
+    state = _field(0x1A, trace_state.encode()) if trace_state else b""
+    return b"".join([_span(row, trace_bytes, state) for row in rows])
+
+
+def encode_request(resource_attributes: bytes, scope_name: str, spans: Iterable[bytes]) -> bytes:
+    """One ExportTraceServiceRequest: one resource, one scope, the spans `encode_spans` wrote."""
     scope_spans = _field(0x0A, _field(0x0A, scope_name.encode())) + b"".join(spans)
     resource_spans = _field(0x0A, resource_attributes) + _field(0x12, scope_spans)
     return _field(0x0A, resource_spans)

@@ -67,11 +67,9 @@ class RequestTrace:
     def begin(cls, scope: MutableMapping[str, Any], tracing: Tracing | None = None) -> RequestTrace:
         trace = cls(time.perf_counter(), time.time_ns())
         if tracing is not None:
-            root = tracing.start_request(
-                scope.get("headers") or (), f"{scope['method']} {scope['path']}", trace.started_ns
-            )
-            if root is not None:
-                trace.spans = RequestSpans(tracing, root)
+            traced = tracing.start_request(scope.get("headers") or ())
+            if traced is not None:
+                trace.spans = RequestSpans(tracing, traced, f"{scope['method']} {scope['path']}", trace.started_ns)
         scope.setdefault("state", {})[_STATE_KEY] = trace
         return trace
 
@@ -101,14 +99,14 @@ class RequestTrace:
         if self.spans is None:
             yield
             return
-        span = self.spans.child(name, time.time_ns())
+        start_ns, error = time.time_ns(), ""
         try:
             yield
-        except BaseException as error:
-            span.set_error(getattr(error, "code", type(error).__name__))
+        except BaseException as exc:
+            error = getattr(exc, "code", type(exc).__name__)
             raise
         finally:
-            span.end()
+            self.spans.add(name, start_ns, time.time_ns(), error=error)
 
     def attempt_started(self, deployment: str, server_address: str | None) -> dict[str, str]:
         """Open the attempt's span; the `traceparent` headers that make the upstream's spans its children."""

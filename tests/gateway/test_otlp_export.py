@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 pytest.importorskip("opentelemetry.proto")
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from gateway.otlp_encoding import EncodedSpan, encode_attributes, encode_request
+from gateway.otlp_encoding import SpanRow, encode_attributes, encode_request, encode_spans
+from gateway.request_spans import RequestSpans
 from gateway.tracing import BatchExporter, Sampler, Tracing, parse_traceparent
 
 _ids = st.integers(min_value=1, max_value=2**64 - 1)
@@ -26,17 +27,16 @@ _values = st.one_of(
     st.floats(allow_nan=False),
 )
 _attributes = st.lists(st.tuples(st.text(min_size=1, max_size=30), _values), max_size=8)
-_spans = st.builds(
-    EncodedSpan,
-    span_id=_ids,
-    parent_id=st.one_of(st.just(0), _ids),
-    name=st.text(max_size=60),
-    kind=st.sampled_from([1, 2, 3]),
-    start_ns=_times,
-    end_ns=_times,
-    attributes=_attributes,
-    error_type=st.one_of(st.just(""), st.text(min_size=1, max_size=20)),
-    parent_is_remote=st.booleans(),
+_spans = st.tuples(
+    st.text(max_size=60),
+    _ids,
+    st.one_of(st.just(0), _ids),
+    st.sampled_from([1, 2, 3]),
+    _times,
+    _times,
+    _attributes,
+    st.one_of(st.just(""), st.text(min_size=1, max_size=20)),
+    st.booleans(),
 )
 _traces = st.lists(
     st.tuples(st.integers(min_value=1, max_value=2**128 - 1), st.text(max_size=30), st.lists(_spans, max_size=5)),
@@ -51,11 +51,9 @@ def _value(any_value: object) -> object:
 @settings(max_examples=200, deadline=None)
 @given(_traces, st.dictionaries(st.text(min_size=1, max_size=20), _values, max_size=4))
 def test_what_is_encoded_decodes_field_for_field(
-    traces: list[tuple[int, str, list[EncodedSpan]]], resource: dict[str, object]
+    traces: list[tuple[int, str, list[SpanRow]]], resource: dict[str, object]
 ) -> None:
-    body = encode_request(
-        encode_attributes(resource), "unigate", [(t.to_bytes(16, "big"), s, spans) for t, s, spans in traces]
-    )
+    body = encode_request(encode_attributes(resource), "unigate", [encode_spans(t, s, rows) for t, s, rows in traces])
     request = ExportTraceServiceRequest()
     request.ParseFromString(body)
     (resource_spans,) = request.resource_spans
@@ -65,16 +63,18 @@ def test_what_is_encoded_decodes_field_for_field(
     expected = [(trace_id, state, span) for trace_id, state, spans in traces for span in spans]
     assert len(scope_spans.spans) == len(expected)
     for decoded, (trace_id, state, span) in zip(scope_spans.spans, expected, strict=True):
+        name, span_id, parent_id, kind, start_ns, end_ns, span_attributes, error_type, parent_is_remote = span
         assert decoded.trace_id == trace_id.to_bytes(16, "big")
-        assert decoded.span_id == span.span_id.to_bytes(8, "big")
-        assert decoded.parent_span_id == (span.parent_id.to_bytes(8, "big") if span.parent_id else b"")
+        assert decoded.span_id == span_id.to_bytes(8, "big")
+        assert decoded.parent_span_id == (parent_id.to_bytes(8, "big") if parent_id else b"")
         assert decoded.trace_state == state
-        assert (decoded.name, decoded.kind) == (span.name, span.kind)
-        assert (decoded.start_time_unix_nano, decoded.end_time_unix_nano) == (span.start_ns, span.end_ns)
-        assert [(a.key, _value(a.value)) for a in decoded.attributes] == span.attributes
-        assert decoded.status.code == (decoded.status.STATUS_CODE_ERROR if span.error_type else 0)
+        assert (decoded.name, decoded.kind) == (name, kind)
+        assert (decoded.start_time_unix_nano, decoded.end_time_unix_nano) == (start_ns, end_ns)
+        error_attribute = [("error.type", error_type)] if error_type else []
+        assert [(a.key, _value(a.value)) for a in decoded.attributes] == span_attributes + error_attribute
+        assert decoded.status.code == (decoded.status.STATUS_CODE_ERROR if error_type else 0)
         assert decoded.flags & 0xFF == 1 and decoded.flags & 0x100
-        assert bool(decoded.flags & 0x200) == span.parent_is_remote
+        assert bool(decoded.flags & 0x200) == parent_is_remote
 
 
 @pytest.mark.parametrize(
@@ -132,17 +132,21 @@ def test_the_samplers_follow_the_specification() -> None:
 
 def test_a_traceidratio_keeps_about_its_share() -> None:
     tracing = Tracing(BatchExporter(lambda body: True, b"", delay_s=60), Sampler(parent_based=True, ratio=0.1))
-    kept = sum(tracing.start_request((), "r", 1) is not None for _ in range(20_000))
+    kept = sum(tracing.start_request(()) is not None for _ in range(20_000))
     tracing.shutdown()
     assert 1_600 < kept < 2_400  # binomial(20000, 0.1): mean 2000, sd 42
 
 
 def _trace_of(tracing: Tracing, children: int) -> None:
-    root = tracing.start_request((), "r", 1)
-    assert root is not None
-    for _ in range(children):
-        tracing.start_child(root, "c", start_ns=2)  # left open: ends with the root
-    root.end(end_time=3)
+    trace = tracing.start_request(())
+    assert trace is not None
+    spans = RequestSpans(tracing, trace, "r", 1)
+    spans.first_token(2)  # a stream left open: it ends with the request
+    for _ in range(children - 1):
+        spans.add("c", 2, 3)
+    spans.finish(
+        status=200, code="", deployment=None, served_model=None, usage=None, request_id="x", ended_by="finished"
+    )
 
 
 def test_the_queue_is_bounded_and_a_stop_sends_what_waits() -> None:
@@ -158,7 +162,9 @@ def test_the_queue_is_bounded_and_a_stop_sends_what_waits() -> None:
     )
     tracing = Tracing(exporter)
     for _ in range(6):
-        _trace_of(tracing, 2)  # 3 spans each: the first three traces fit in 10 (the first wakes the thread at 5)
+        _trace_of(
+            tracing, 2
+        )  # 3 spans each (root, stream, one more): the first three traces fit in 10 (the first wakes the thread at 5)
     assert exporter.num_dropped >= 3
     gate.set()
     tracing.shutdown()
@@ -168,9 +174,13 @@ def test_the_queue_is_bounded_and_a_stop_sends_what_waits() -> None:
         request.ParseFromString(body)
         spans += request.resource_spans[0].scope_spans[0].spans
     assert len(spans) + exporter.num_dropped == 18 and exporter.num_sent == len(spans)
-    assert all(s.end_time_unix_nano == 3 for s in spans if s.name == "c")  # the open children ended with the root
-    roots = {s.span_id for s in spans if s.name == "r"}
-    assert all(s.parent_span_id in roots for s in spans if s.name == "c")
+    roots = {s.span_id: s for s in spans if s.name == "r"}
+    for span in spans:
+        if span.name != "r":
+            root = roots[span.parent_span_id]
+            assert span.end_time_unix_nano <= root.end_time_unix_nano
+    streams = [s for s in spans if s.name == "unigate.stream"]  # left open: ended with the request
+    assert streams and all(s.end_time_unix_nano == roots[s.parent_span_id].end_time_unix_nano for s in streams)
 
 
 def test_a_failing_collector_does_not_stop_the_exporter() -> None:
