@@ -27,8 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import uvloop
@@ -78,32 +76,46 @@ def start_gateway(
     return process, f"http://127.0.0.1:{port}/v1/chat/completions"
 
 
+RECEIVER = """
+import signal, sys, threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+counts = [0, 0]
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as OTLP collectors do
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("content-length", "0")))
+        counts[0] += 1
+        counts[1] += len(body)
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.send_header("content-length", "0")
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+server = ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler)
+signal.signal(signal.SIGINT, lambda *_: threading.Thread(target=server.shutdown).start())
+server.serve_forever()
+print(counts[0], counts[1], flush=True)
+"""
+
+
 class Receiver:
-    """An OTLP/HTTP traces endpoint in a thread: accepts `POST /v1/traces`, counts exports and bytes."""
+    """An OTLP/HTTP traces endpoint in its own process, as a collector would be (in the load generator's process it
+    took the client's CPU, and the traced gateways' req/s fell for the client's sake): accepts `POST /v1/traces`,
+    counts exports and bytes, and prints them when stopped."""
 
     def __init__(self) -> None:
-        self.num_exports = 0
-        self.num_bytes = 0
-        receiver = self
+        self.port = free_port()
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", RECEIVER, str(self.port)], stdout=subprocess.PIPE, text=True
+        )
+        self.num_exports = self.num_bytes = 0
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive, as OTLP collectors do (HTTP/1.0 made every export reconnect)
-
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("content-length", "0")))
-                receiver.num_exports += 1
-                receiver.num_bytes += len(body)
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = int(self.server.server_address[1])
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGINT)
+        out, _ = self.process.communicate(timeout=15)
+        if out.split():
+            self.num_exports, self.num_bytes = (int(x) for x in out.split()[:2])
 
 
 async def measure(
@@ -162,6 +174,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
                 extra = {**extra, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}"}
             gateways[name] = start_gateway(tmp, name, upstream_port, extra)
         wait_for_port(upstream_port)
+        wait_for_port(receiver.port)
         for _, url in gateways.values():
             wait_for_port(int(url.split(":")[2].split("/")[0]))
         results = uvloop.run(measure(gateways, seconds=args.seconds, rounds=args.rounds, concurrency=args.concurrency))
@@ -171,7 +184,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
             process.send_signal(signal.SIGINT)
         for process in processes:
             process.wait(15)
-        receiver.server.shutdown()
+        receiver.stop()
     print_table(results, args.concurrency, receiver)
 
 
