@@ -172,27 +172,33 @@ async def load(
     return Result(len(latencies), elapsed, latencies, num_errors, cpu_s)
 
 
+def gateway_env(directory: Path, upstream_port: int, gateway_port: int, base: dict[str, str]) -> dict[str, str]:
+    """The environment of a benchmarked gateway (`base` plus its settings): one model, `bench`, on the fake
+    upstream at `upstream_port`, served on `gateway_port`, its data (and embedded Redis) under `directory`."""
+    routing = directory / "unigate.yaml"
+    routing.write_text(
+        "models:\n  - id: bench\n    deployments:\n"
+        f"      - {{type: openai, base_url: 'http://127.0.0.1:{upstream_port}/v1', api_key: sk-up,"
+        " max_connections: 256}\n"
+    )
+    return {
+        **base,
+        "UNIGATE_CONFIG": str(routing),
+        "UNIGATE_MASTER_KEY": MASTER_KEY,
+        "UNIGATE_PORT": str(gateway_port),
+        "UNIGATE_ENGINE__ENABLED": "false",
+        "UNIGATE_DATA_DIR": str(directory / "data"),
+        "UNIGATE_LOG_LEVEL": os.environ.get("UNIGATE_LOG_LEVEL", "warning"),
+    }
+
+
 def start_processes(tmp: Path) -> tuple[list[subprocess.Popen[bytes]], str, str]:
     upstream_port, gateway_port = free_port(), free_port()
     upstream = subprocess.Popen(
         [sys.executable, str(ROOT / "tests/fakes/upstream.py"), "--port", str(upstream_port), "--uvloop"],
         stdout=subprocess.DEVNULL,
     )
-    routing = tmp / "unigate.yaml"
-    routing.write_text(
-        "models:\n  - id: bench\n    deployments:\n"
-        f"      - {{type: openai, base_url: 'http://127.0.0.1:{upstream_port}/v1', api_key: sk-up,"
-        " max_connections: 256}\n"
-    )
-    env = {
-        **os.environ,
-        "UNIGATE_CONFIG": str(routing),
-        "UNIGATE_MASTER_KEY": MASTER_KEY,
-        "UNIGATE_PORT": str(gateway_port),
-        "UNIGATE_ENGINE__ENABLED": "false",
-        "UNIGATE_DATA_DIR": str(tmp / "data"),
-        "UNIGATE_LOG_LEVEL": os.environ.get("UNIGATE_LOG_LEVEL", "warning"),
-    }
+    env = gateway_env(tmp, upstream_port, gateway_port, dict(os.environ))
     code = "from gateway.server import run; from gateway.settings import Settings; run(Settings(_env_file=None))"
     gateway = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT)
     wait_for_port(upstream_port)

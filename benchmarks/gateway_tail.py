@@ -33,7 +33,7 @@ import aiohttp
 import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_overhead import MASTER_KEY, ROOT, free_port, one_request, process_cpu_s, wait_for_port
+from gateway_overhead import MASTER_KEY, ROOT, free_port, gateway_env, one_request, process_cpu_s, wait_for_port
 
 _PROBES_ENV = "UNIGATE_BENCH_PROBES_OUT"  # where the probed gateway writes what it saw, at exit
 _GC_ENV = "UNIGATE_BENCH_GC_THRESHOLD"
@@ -167,20 +167,8 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         upstream_port, gateway_port = free_port(), free_port()
-        routing = Path(tmp) / "unigate.yaml"
-        routing.write_text(
-            "models:\n  - id: bench\n    deployments:\n"
-            f"      - {{type: openai, base_url: 'http://127.0.0.1:{upstream_port}/v1', api_key: sk-up,"
-            " max_connections: 256}\n"
-        )
         env = {
-            **os.environ,
-            "UNIGATE_CONFIG": str(routing),
-            "UNIGATE_MASTER_KEY": MASTER_KEY,
-            "UNIGATE_PORT": str(gateway_port),
-            "UNIGATE_ENGINE__ENABLED": "false",
-            "UNIGATE_DATA_DIR": str(Path(tmp) / "data"),
-            "UNIGATE_LOG_LEVEL": "warning",
+            **gateway_env(Path(tmp), upstream_port, gateway_port, dict(os.environ)),
             _PROBES_ENV: str(Path(tmp) / "probes.json"),
             **({_GC_ENV: str(args.gc_threshold)} if args.gc_threshold else {}),
         }

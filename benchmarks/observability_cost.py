@@ -37,6 +37,7 @@ from gateway_overhead import (  # a sibling script, not a package
     ROOT,
     Result,
     free_port,
+    gateway_env,
     load,
     wait_for_port,
 )
@@ -55,20 +56,9 @@ def start_gateway(
     port = free_port()
     directory = tmp / name.replace(" ", "_").replace("%", "pct").replace("+", "")
     directory.mkdir()
-    routing = directory / "unigate.yaml"
-    routing.write_text(
-        "models:\n  - id: bench\n    deployments:\n"
-        f"      - {{type: openai, base_url: 'http://127.0.0.1:{upstream_port}/v1', api_key: sk-up,"
-        " max_connections: 256}\n"
-    )
+    base = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
-        "UNIGATE_CONFIG": str(routing),
-        "UNIGATE_MASTER_KEY": MASTER_KEY,
-        "UNIGATE_PORT": str(port),
-        "UNIGATE_ENGINE__ENABLED": "false",
-        "UNIGATE_DATA_DIR": str(directory / "data"),
-        "UNIGATE_LOG_LEVEL": "warning",
+        **gateway_env(directory, upstream_port, port, base),
         **extra,
     }
     code = "from gateway.server import run; from gateway.settings import Settings; run(Settings(_env_file=None))"
