@@ -16,10 +16,14 @@ local log_key, index_key = KEYS[1], ARGV[3]
 -- Trim first: a gateway whose clock runs ahead must not trim the records it is adding.
 redis.call('XTRIM', log_key, 'MINID', ARGV[1])
 local added = 0
+local index = {}
 for i = 5, #ARGV, 2 do
-  local entry_id = redis.call('XADD', log_key, 'MAXLEN', ARGV[2], '*', 'r', ARGV[i + 1])
-  redis.call('HSET', index_key, ARGV[i], entry_id)
+  index[#index + 1] = ARGV[i]
+  index[#index + 1] = redis.call('XADD', log_key, 'MAXLEN', ARGV[2], '*', 'r', ARGV[i + 1])
   added = added + 1
 end
-redis.call('PEXPIREAT', index_key, ARGV[4])
+if added > 0 then
+  redis.call('HSET', index_key, unpack(index))  -- one command for the batch's index entries
+  redis.call('PEXPIREAT', index_key, ARGV[4])
+end
 return added
