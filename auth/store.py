@@ -197,6 +197,23 @@ class UsageTotals:
     by_day: list[UsageRow] = field(default_factory=list)  # per UTC day over every key and model (model "")
 
 
+async def index_page(
+    redis: RedisClient, index: str, after: str | None, limit: int, *, what: str
+) -> tuple[list[str], bool]:
+    """Up to `limit` ids of a creation-ordered index (`ug:keys`, `ug:teams`) after the id `after` (the previous
+    page's last), and whether more follow. An `after` not in the index is a 400 naming the `after` parameter."""
+    start = 0
+    if after is not None:
+        rank = await redis.zrank(index, after)
+        if rank is None:
+            raise InvalidRequestError(
+                f"Unknown cursor 'after={after}': pass the id of {what} from the previous page.", param="after"
+            )
+        start = int(as_text(rank)) + 1
+    ids = [as_text(raw) for raw in await redis.zrange(index, start, start + limit)]
+    return ids[:limit], len(ids) > limit
+
+
 def encode_fields(values: Mapping[str, Any]) -> dict[str, str]:
     """Record fields as Redis strings: None → "" (no limit / no expiry), lists and dicts as JSON."""
     encoded: dict[str, str] = {}
@@ -354,22 +371,13 @@ class KeyStore:
     async def list_keys(self, *, limit: int, after: str | None = None) -> KeyPage:
         """Keys in creation order, `limit` at a time, starting after the key `after`."""
         async with storage_errors():
-            start = 0
-            if after is not None:
-                rank = await self.redis.zrank(redis_names.KEY_INDEX, after)
-                if rank is None:
-                    raise InvalidRequestError(
-                        f"Unknown cursor 'after={after}': pass the id of a key from the previous page.",
-                        param="after",
-                    )
-                start = int(as_text(rank)) + 1
-            ids = await self.redis.zrange(redis_names.KEY_INDEX, start, start + limit)
+            ids, has_more = await index_page(self.redis, redis_names.KEY_INDEX, after, limit, what="a key")
             async with self.redis.pipeline(transaction=False) as pipe:
-                for key_id in ids[:limit]:
-                    pipe.hgetall(redis_names.key_record(as_text(key_id)))
+                for key_id in ids:
+                    pipe.hgetall(redis_names.key_record(key_id))
                 raws = await pipe.execute()
         records = [KeyRecord.from_hash({as_text(k): as_text(v) for k, v in raw.items()}) for raw in raws if raw]
-        return KeyPage(records=records, has_more=len(ids) > limit)
+        return KeyPage(records=records, has_more=has_more)
 
     async def update(self, key_id: str, values: Mapping[str, Any]) -> KeyRecord:
         """Change fields (None clears a limit or the expiry; `team_id` moves the key to another team, None takes it

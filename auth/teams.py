@@ -22,7 +22,7 @@ from auth import redis_names, scripts
 from auth.keys import is_team_id, new_team_id
 from auth.redis_client import RedisClient, is_cluster
 from auth.scripts import DEFAULT_SCRIPTS, ScriptSet, as_text, storage_errors
-from auth.store import BudgetCounters, KeyStore, UsageRow, UsageTotals, encode_fields, team_not_found
+from auth.store import BudgetCounters, KeyStore, UsageRow, UsageTotals, encode_fields, index_page, team_not_found
 from gateway.errors import InvalidRequestError
 
 __all__ = ["TeamRecord", "TeamStore", "is_team_id"]
@@ -192,16 +192,7 @@ class TeamStore:
         """Teams in creation order, `limit` at a time, after the team `cursor` (the previous page's next_cursor);
         next_cursor is None on the last page."""
         async with storage_errors():
-            start = 0
-            if cursor is not None:
-                rank = await self.redis.zrank(redis_names.TEAM_INDEX, cursor)
-                if rank is None:
-                    raise InvalidRequestError(
-                        f"Unknown cursor '{cursor}': pass the id of a team from the previous page.", param="after"
-                    )
-                start = int(as_text(rank)) + 1
-            ids = [as_text(raw) for raw in await self.redis.zrange(redis_names.TEAM_INDEX, start, start + limit)]
-            page = ids[:limit]
+            page, has_more = await index_page(self.redis, redis_names.TEAM_INDEX, cursor, limit, what="a team")
             async with self.redis.pipeline(transaction=False) as pipe:
                 for team_id in page:
                     pipe.hgetall(redis_names.team_record(team_id))
@@ -212,7 +203,7 @@ class TeamStore:
             for raw, num_keys in zip(replies[::2], replies[1::2], strict=True)
             if raw
         ]
-        return records, (page[-1] if len(ids) > limit and page else None)
+        return records, (page[-1] if has_more and page else None)
 
     async def update(self, team_id: str, changes: Mapping[str, Any]) -> TeamRecord:
         """Change fields (None clears a limit or the budget); a change of `budget_period` recounts the new period's
