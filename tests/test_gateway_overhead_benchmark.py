@@ -28,21 +28,10 @@ def test_the_tail_is_the_median_of_each_rounds_own_ratio() -> None:
     assert pooled.num_requests == 300 and len(pooled.tails) == 3
 
 
-@pytest.mark.timeout(300)
-def test_the_benchmark_prints_a_row_per_mode_and_concurrency() -> None:
+def run_script(*args: str) -> subprocess.CompletedProcess[str]:
+    """A benchmark script run to the end (it must exit 0)."""
     result = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/gateway_overhead.py",
-            "--seconds",
-            "0.4",
-            "--rounds",
-            "2",
-            "--concurrency",
-            "1,4",
-            "--modes",
-            "non-stream",
-        ],
+        [sys.executable, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -51,6 +40,22 @@ def test_the_benchmark_prints_a_row_per_mode_and_concurrency() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.timeout(300)
+def test_the_benchmark_prints_a_row_per_mode_and_concurrency() -> None:
+    result = run_script(
+        "benchmarks/gateway_overhead.py",
+        "--seconds",
+        "0.4",
+        "--rounds",
+        "2",
+        "--concurrency",
+        "1,4",
+        "--modes",
+        "non-stream",
+    )
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("non-stream", "stream"))]
     assert [(row[0], row[1]) for row in rows] == [("non-stream", "1"), ("non-stream", "4")]
     for row in rows:
@@ -61,25 +66,7 @@ def test_the_benchmark_prints_a_row_per_mode_and_concurrency() -> None:
 
 @pytest.mark.timeout(300)
 def test_the_tail_probe_reports_latency_gc_and_who_was_slow() -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/gateway_tail.py",
-            "--concurrency",
-            "4",
-            "--seconds",
-            "0.5",
-            "--gc-threshold",
-            "700",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run_script("benchmarks/gateway_tail.py", "--concurrency", "4", "--seconds", "0.5", "--gc-threshold", "700")
     out = result.stdout
     assert "c=4: gateway CPU" in out and "p99/p50" in out and "were slow together" in out
     assert "GC generation 0:" in out  # a threshold of 700 collects many times in half a second of requests
