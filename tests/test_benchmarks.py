@@ -4,30 +4,14 @@ a GPU): exit code 0 and every table they promise is printed."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from fakes.scripts import run_script as run
 
 from local_engine.kernels import cpu as cpu_kernels
-
-ROOT = Path(__file__).resolve().parent.parent
-
 
 # Each test runs a benchmark script (real models, a subprocess): generous limits, since a loaded 2-core machine
 # can take several times as long as a quiet one. They bound hangs; they are not timing assertions.
 pytestmark = pytest.mark.timeout(600)
-
-
-def run(*args: str) -> str:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=540, env=env, check=False
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
 
 
 def test_gpu_engine_cpu_smoke_runs_every_section() -> None:

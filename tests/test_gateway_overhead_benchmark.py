@@ -4,8 +4,6 @@ benchmarks/gateway_tail.py, the gateway's GC and event-loop probes included."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from fakes.scripts import run_script  # noqa: E402
 from gateway_overhead import Result  # noqa: E402  (a script, not a package)
 
 
@@ -26,21 +25,6 @@ def test_the_tail_is_the_median_of_each_rounds_own_ratio() -> None:
     assert pooled.percentile(0.99) / pooled.percentile(0.5) == 10.0
     assert pooled.tail == 2.0
     assert pooled.num_requests == 300 and len(pooled.tails) == 3
-
-
-def run_script(*args: str) -> subprocess.CompletedProcess[str]:
-    """A benchmark script run to the end (it must exit 0)."""
-    result = subprocess.run(
-        [sys.executable, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
 
 
 @pytest.mark.timeout(300)
@@ -56,7 +40,7 @@ def test_the_benchmark_prints_a_row_per_mode_and_concurrency() -> None:
         "--modes",
         "non-stream",
     )
-    rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("non-stream", "stream"))]
+    rows = [line.split() for line in result.splitlines() if line.startswith(("non-stream", "stream"))]
     assert [(row[0], row[1]) for row in rows] == [("non-stream", "1"), ("non-stream", "4")]
     for row in rows:
         assert row[-1] == "0"  # errors
@@ -67,6 +51,6 @@ def test_the_benchmark_prints_a_row_per_mode_and_concurrency() -> None:
 @pytest.mark.timeout(300)
 def test_the_tail_probe_reports_latency_gc_and_who_was_slow() -> None:
     result = run_script("benchmarks/gateway_tail.py", "--concurrency", "4", "--seconds", "0.5", "--gc-threshold", "700")
-    out = result.stdout
+    out = result
     assert "c=4: gateway CPU" in out and "p99/p50" in out and "were slow together" in out
     assert "GC generation 0:" in out  # a threshold of 700 collects many times in half a second of requests

@@ -3,17 +3,13 @@ checked in, loads with values that fit together; the script itself runs end to e
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import orjson
 import pytest
 from fakes.checkpoints import tiny_llama_checkpoint
 from fakes.replica_sim import CALIBRATION_PATH, SimParams
-
-ROOT = Path(__file__).resolve().parent.parent
+from fakes.scripts import run_script
 
 
 def test_the_defaults_are_the_vllm_h100_preset() -> None:
@@ -51,17 +47,8 @@ def test_the_calibration_script_runs_on_a_tiny_model(tmp_path: Path) -> None:
     args = ["--model", str(model), "--cache-dir", str(tmp_path / "cache"), "--kv-cache-memory", str(8 << 20)]
     args += ["--prompt-lens", "16,48", "--batch-sizes", "1,2", "--decode-steps", "3", "--decode-context", "32"]
     args += ["--repeats", "1", "--turns", "2", "--max-tokens", "3", "--threads", "1", "--out", str(out)]
-    result = subprocess.run(
-        [sys.executable, "benchmarks/calibrate_replica_sim.py", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "simulated / measured: TTFT p50" in result.stdout
+    out_text = run_script("benchmarks/calibrate_replica_sim.py", *args, timeout=280)
+    assert "simulated / measured: TTFT p50" in out_text
     document = orjson.loads(out.read_bytes())
     params = SimParams.bundled_engine(path=out)
     assert params.block_tokens == 16 and params.max_batch == 64  # the engine's defaults
