@@ -21,10 +21,9 @@ from typing import Any
 import pytest
 from fakes import engine_models
 from fakes.app import make_settings
-from fakes.engine_models import ScriptedSampler
+from fakes.engine_models import ScriptedSampler, tiny_engine_options
 
 from auth.base import MasterKeyAccess
-from backends.config import LocalEngineOptions
 from backends.local import LocalBackend, LocalBackendConfig
 from gateway.app import create_app
 from gateway.routing_config import parse_routing
@@ -78,14 +77,7 @@ def test_absent_clis_are_reported_without_loading_a_model(tmp_path: Path) -> Non
 @pytest.fixture
 def tiny_gateway(tiny_model_dir: Path, real_tokenizer: Any, tmp_path: Path) -> Iterator[tuple[Any, ScriptedSampler]]:
     # The tiny model's context is 256 tokens: room for the small configuration's prompt, not for Claude Code's own.
-    engine = LocalEngineOptions(
-        model_path=str(tiny_model_dir),
-        device="cpu",
-        kv_cache_memory=2 * 2**20,
-        max_num_seqs=4,
-        max_num_batched_tokens=256,
-        block_size=16,
-    )
+    engine = tiny_engine_options(tiny_model_dir, max_num_seqs=4, max_num_batched_tokens=256, block_size=16)
     backend = LocalBackend.from_local_config(LocalBackendConfig("tiny#0", "tiny", tmp_path / "models", engine))
     routing = parse_routing(
         {"models": [{"id": "tiny", "deployments": [{"type": "local", "name": "tiny#0"}]}]}, source="t"

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fakes.engine_models import tiny_engine_options
 
 from backends.base import Backend
 from backends.config import LocalEngineOptions
@@ -21,13 +22,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Say something
 
 @pytest.fixture
 async def backend(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[LocalBackend]:
-    engine = LocalEngineOptions(
-        model_path=str(tiny_model_dir),
-        device="cpu",
-        kv_cache_memory=2 * 2**20,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-    )
+    engine = tiny_engine_options(tiny_model_dir)
     config = LocalBackendConfig("tiny#0", "tiny", tmp_path / "models", engine)
     local = LocalBackend.from_local_config(config)
     yield local

@@ -18,10 +18,9 @@ import openai
 import pytest
 from fakes.access import RecordingAccess
 from fakes.app import MASTER, make_settings
-from fakes.engine_models import ScriptedSampler
+from fakes.engine_models import ScriptedSampler, tiny_engine_options
 from fakes.server import ThreadedServer
 
-from backends.config import LocalEngineOptions
 from backends.local import LocalBackend, LocalBackendConfig
 from gateway.app import create_app
 from gateway.routing_config import parse_routing
@@ -54,14 +53,7 @@ SECOND_TURN_TAIL = (
 
 @pytest.fixture
 async def backend(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[LocalBackend]:
-    engine = LocalEngineOptions(
-        model_path=str(tiny_model_dir),
-        device="cpu",
-        kv_cache_memory=2 * 2**20,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        block_size=BLOCK_SIZE,
-    )
+    engine = tiny_engine_options(tiny_model_dir, block_size=BLOCK_SIZE)
     config = LocalBackendConfig(NAME, "tiny", tmp_path / "models", engine)
     local = LocalBackend.from_local_config(config)
     await local.send(

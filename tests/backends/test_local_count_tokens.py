@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 from fakes.access import RecordingAccess
 from fakes.app import AUTH, MASTER, asgi_client, make_settings
+from fakes.engine_models import tiny_engine_options
 from starlette.applications import Starlette
 
-from backends.config import LocalEngineOptions
 from backends.local import LocalBackend, LocalBackendConfig
 from gateway.app import create_app
 from gateway.routing_config import parse_routing
 
 NAME = "tiny#0"
-ENGINE = LocalEngineOptions(device="cpu", kv_cache_memory=2 * 2**20, max_num_seqs=8, max_num_batched_tokens=64)
+ENGINE = tiny_engine_options()
 # Long enough to fill whole KV blocks (16 tokens each), which a repeated prompt finds in the prefix cache.
 BODY = {
     "model": "tiny",

@@ -15,9 +15,9 @@ import httpx
 import pytest
 from fakes.access import RecordingAccess
 from fakes.app import AUTH, MASTER, asgi_client, make_settings
+from fakes.engine_models import tiny_engine_options
 from starlette.applications import Starlette
 
-from backends.config import LocalEngineOptions
 from backends.local import LocalBackend, LocalBackendConfig
 from gateway.app import create_app
 from gateway.errors import InvalidRequestError
@@ -27,7 +27,7 @@ NAME = "tiny#0"
 OTHER_KEY = "sk-ug-other-tenant"
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about spring"}], "max_tokens": 8}
 MESSAGES = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about spring"}], "max_tokens": 8}
-ENGINE = LocalEngineOptions(device="cpu", kv_cache_memory=2 * 2**20, max_num_seqs=8, max_num_batched_tokens=64)
+ENGINE = tiny_engine_options()
 
 
 def build_backend(model_dir: Path, data_dir: Path, *, load_wait_s: float = 30.0) -> LocalBackend:

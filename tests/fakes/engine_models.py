@@ -10,7 +10,18 @@ from typing import Any
 import pytest
 import torch
 
+from backends.config import LocalEngineOptions
 from local_engine.sampler import SamplerOutput
+
+
+def tiny_engine_options(model_dir: Path | str | None = None, **overrides: Any) -> LocalEngineOptions:
+    """The engine settings the tests run a tiny model with (CPU, 2 MiB of KV cache, 8 sequences, 64-token steps),
+    with `overrides`; `model_dir` (e.g. `tiny_model_dir`) as its model path when given."""
+    settings: dict[str, Any] = {"device": "cpu", "kv_cache_memory": 2 * 2**20, "max_num_seqs": 8}
+    settings["max_num_batched_tokens"] = 64
+    if model_dir is not None:
+        settings["model_path"] = str(model_dir)
+    return LocalEngineOptions(**(settings | overrides))
 
 
 @pytest.fixture(scope="session")
