@@ -197,3 +197,29 @@ async def test_stopping_the_writer_never_hangs_and_writes_what_was_buffered(redi
         await asyncio.sleep(0.0005 * (n % 5))
         await asyncio.wait_for(log.aclose(), 30)  # a hang fails here instead of holding the suite
         assert await log.get(f"req-{1000 * n}") is not None
+
+
+async def test_a_batch_whose_ids_and_records_differ_is_our_error_not_an_outage(redis: Redis) -> None:
+    """The script takes a batch as two newline-ended strings; a mismatch (a bug of ours) is a script error, never
+    "Redis is down", and adds nothing. The writer drops such a batch (counted) and goes on with the next."""
+    from auth.request_log import _APPEND
+    from auth.scripts import ScriptError
+
+    args: list[str | int | bytes] = [0, 100, redis_names.request_log_index(1), 10**13, "a\nb\n", b"[1]\n"]
+    try:
+        await _APPEND(redis, [redis_names.REQUEST_LOG], args)
+    except ScriptError as exc:
+        assert "differ in number" in exc.detail
+    else:
+        raise AssertionError("a mismatched batch was accepted")
+    assert await redis.xlen(redis_names.REQUEST_LOG) == 0
+    log = RequestLog(redis)
+    log.add(record(0, request_id="bad\nid"))  # never from the gateway (ids are checked), so a bug's stand-in
+    assert await log.flush() == 0 and log.num_dropped == 1 and await redis.xlen(redis_names.REQUEST_LOG) == 0
+    ids = [f"id-{n}.A:z_{n}" for n in range(250)]  # every allowed kind of character, over one batch of 200
+    for n, request_id in enumerate(ids):
+        log.add(record(n, request_id=request_id))
+    assert await log.flush() == 250 and log.num_dropped == 1
+    for request_id in (ids[0], ids[199], ids[200], ids[-1]):
+        found = await log.get(request_id)
+        assert found is not None and found.request_id == request_id
