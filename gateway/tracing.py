@@ -10,10 +10,12 @@ On when `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) 
 Why not the SDK's tracer: a request makes six or seven spans, and the SDK's spans (locks, bounded attribute maps,
 processor hooks) and its protobuf encoder cost ~260 µs of CPU per request, two thirds of what the gateway spends
 on the request itself. Here the request's path only notes times and ids (gateway/request_spans.py: one tuple per
-finished span, `otlp_encoding.SpanRow`); when the request ends its rows are queued, and a background thread writes
-batches of them to the wire format directly (gateway/otlp_encoding.py) and sends them with the SDK's own OTLP/HTTP
-exporter client (its retries, headers, compression and TLS; its urllib3 transport), so what reaches the collector
-is standard OTLP/HTTP protobuf. A request the sampler leaves out records nothing (~2 µs).
+finished span, `otlp_encoding.SpanRow`); when the request ends its rows are queued, and a background thread hands
+full batches (pickled: one C call) to a child process (gateway/otlp_sender.py) that writes them to the wire format
+directly (gateway/otlp_encoding.py) and posts them with the SDK's own OTLP/HTTP exporter client (its retries,
+headers, compression and TLS), so what reaches the collector is standard OTLP/HTTP protobuf. Encoding on the
+event loop had cost ~10 µs a traced request, posting from the thread ~35. A request the sampler leaves
+out records nothing (~2 µs).
 
 The spans of a request are opened by its trace (gateway/request_trace.py); this module makes them, samples,
 exports, and moves context in and out of W3C `traceparent` headers.
@@ -30,11 +32,21 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-from gateway.otlp_encoding import SpanRow, encode_attributes, encode_request, encode_spans
+from gateway.otlp_encoding import SpanRow, encode_request, encode_spans
+from gateway.otlp_sender import SenderProcess, pickle_batch
 
-__all__ = ["BatchExporter", "Sampler", "Trace", "Tracing", "new_span_id", "parse_traceparent", "tracing_from_env"]
+__all__ = [
+    "BatchExporter",
+    "Sampler",
+    "Trace",
+    "TraceSpans",
+    "Tracing",
+    "new_span_id",
+    "otlp_batch",
+    "parse_traceparent",
+    "tracing_from_env",
+]
 
 logger = logging.getLogger("unigate.tracing")
 
@@ -64,49 +76,25 @@ def tracing_from_env(environ: Mapping[str, str] | None = None) -> Tracing | None
     if not _is_requested(environ):
         return None
     try:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import Resource
+        # Only checked here: the sender process (gateway/otlp_sender.py) uses them.
+        import opentelemetry.exporter.otlp.proto.http.trace_exporter
+        import opentelemetry.sdk.resources  # noqa: F401
     except ImportError:
         logger.warning(
             "OTEL_EXPORTER_OTLP_ENDPOINT is set but the OpenTelemetry SDK is not installed: serving without traces "
             "(pip install 'unigate[otel]')"
         )
         return None
-    attributes = {} if environ.get("OTEL_SERVICE_NAME") else {"service.name": "unigate"}
-    resource = Resource.create(attributes)
-    exporter = OTLPSpanExporter(**_lean_transport(environ))
-
-    def send(data: bytes) -> bool:
-        # The exporter's client takes an encoded body (opentelemetry-exporter-otlp-proto-http 1.45, pinned by the
-        # `otel` extra); `export()` would take the SDK's span objects, which these are not.
-        return bool(exporter._client.export(data).success)
-
+    sender = SenderProcess(environ)
     batches = BatchExporter(
-        send,
-        encode_attributes(dict(resource.attributes)),
-        close=exporter.shutdown,
+        sender.send,
+        encode=pickle_batch,  # the sender process encodes it (otlp_sender.py)
+        close=sender.close,
         delay_s=_env_number(environ, "OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000,
         max_queue_spans=int(_env_number(environ, "OTEL_BSP_MAX_QUEUE_SIZE", 2048)),
         batch_spans=int(_env_number(environ, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512)),
     )
     return Tracing(batches, Sampler.from_env(environ))
-
-
-def _lean_transport(environ: Mapping[str, str]) -> dict[str, Any]:
-    """The exporter's urllib3 transport instead of its default (requests: ~600 vs ~250 us of CPU a POST, measured
-    here), with the TLS settings the default would read from the `OTEL_EXPORTER_OTLP_[TRACES_]CERTIFICATE` /
-    `CLIENT_KEY` / `CLIENT_CERTIFICATE` variables. Empty (the default transport) where that transport is missing."""
-    try:
-        from opentelemetry.exporter.http.transport._urllib3 import Urllib3HTTPTransport
-    except ImportError:
-        return {}
-
-    def setting(name: str) -> str | None:
-        return environ.get(f"OTEL_EXPORTER_OTLP_TRACES_{name}") or environ.get(f"OTEL_EXPORTER_OTLP_{name}")
-
-    key, certificate = setting("CLIENT_KEY"), setting("CLIENT_CERTIFICATE")
-    cert = (certificate, key) if certificate and key else certificate
-    return {"_transport": Urllib3HTTPTransport(verify=setting("CERTIFICATE") or True, cert=cert)}
 
 
 def _env_number(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -212,9 +200,8 @@ class Tracing:
         return headers
 
     def export(self, trace: Trace) -> None:
-        """Encode a finished request's spans and queue them (never waits). Encoded here, on the event loop, not in
-        the export thread: there the same work cost the loop more than it did itself, in GIL hand-offs."""
-        self._exporter.submit(encode_spans(trace.trace_id, trace.trace_state, trace.rows), len(trace.rows))
+        """Queue a finished request's spans (never waits); they are encoded with their batch."""
+        self._exporter.submit((trace.trace_id, trace.trace_state, trace.rows), len(trace.rows))
 
     def shutdown(self) -> None:
         """Export what is queued and stop the exporter's thread."""
@@ -225,24 +212,39 @@ def new_span_id() -> int:
     return random.getrandbits(64) or 1
 
 
+TraceSpans = tuple[int, str, list[SpanRow]]  # a finished request's trace id, `tracestate` and span rows
+
+
+def otlp_batch(resource: bytes) -> Callable[[list[TraceSpans]], bytes]:
+    """A batch of traces as one OTLP `ExportTraceServiceRequest` under `resource` (encoded attributes)."""
+
+    def encode(traces: list[TraceSpans]) -> bytes:
+        return encode_request(resource, "unigate", [encode_spans(*trace) for trace in traces])
+
+    return encode
+
+
 class BatchExporter:
     """Requests' finished spans, queued by the event loop and sent in batches by one thread: every `delay_s`, or as
     soon as `batch_spans` are waiting. Over `max_queue_spans` waiting (the collector is slow or gone), new spans are
-    dropped and counted, never held in memory without bound."""
+    dropped and counted, never held in memory without bound. A batch is made bytes by `encode` (by default an
+    OTLP request under `resource`) and handed to `send`."""
 
     def __init__(
         self,
         send: Callable[[bytes], bool],
-        resource: bytes,
+        resource: bytes = b"",
         *,
+        encode: Callable[[list[TraceSpans]], bytes] | None = None,
         close: Callable[[], None] = lambda: None,
         delay_s: float = 5.0,
         max_queue_spans: int = 2048,
         batch_spans: int = 512,
     ) -> None:
-        self._send, self._resource, self._close = send, resource, close
+        self._send, self._close = send, close
+        self._encode = encode or otlp_batch(resource)
         self._delay_s, self._max_queue_spans, self._batch_spans = delay_s, max_queue_spans, batch_spans
-        self._queue: deque[tuple[bytes, int]] = deque()  # (encoded spans, how many)
+        self._queue: deque[tuple[TraceSpans, int]] = deque()  # (a trace's spans, how many)
         # Written by one thread each, so neither loses a count: spans waiting = queued - taken.
         self._num_queued = 0
         self._num_taken = 0
@@ -254,7 +256,7 @@ class BatchExporter:
         self._thread = threading.Thread(target=self._run, name="unigate-otlp-export", daemon=True)
         self._thread.start()
 
-    def submit(self, spans: bytes, count: int) -> None:
+    def submit(self, spans: TraceSpans, count: int) -> None:
         waiting = self._num_queued - self._num_taken
         if waiting + count > self._max_queue_spans:
             self.num_dropped += count
@@ -280,14 +282,14 @@ class BatchExporter:
         while self._queue:
             if full_only and self._num_queued - self._num_taken < self._batch_spans:
                 return
-            batch: list[bytes] = []
+            batch: list[TraceSpans] = []
             count = 0
             while self._queue and count < self._batch_spans:
                 spans, num_spans = self._queue.popleft()
                 batch.append(spans)
                 count += num_spans
             self._num_taken += count
-            body = encode_request(self._resource, "unigate", batch)
+            body = self._encode(batch)
             try:
                 if self._send(body):
                     self.num_sent += count
