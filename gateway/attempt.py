@@ -23,7 +23,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 from auth.base import Principal, UpstreamLease
 from backends.base import Endpoint, EngineStageTimes, Json, ReportsEngineStages, ReportsStreamUsage, Tenancy
@@ -153,7 +152,7 @@ class Attempt:
         body = self._upstream_body(stream=stream)
         self._clamped_here = clamp_for_upstream(self.deployment, body)
         if self._trace is not None:
-            traceparent = self._trace.attempt_started(self.deployment.name, _server_address(self.deployment))
+            traceparent = self._trace.attempt_started(self.deployment.name, _base_url(self.deployment))
             if traceparent:
                 self._headers = {**(self._headers or {}), **traceparent}
         wait_started = time.perf_counter()
@@ -295,10 +294,10 @@ def tenancy_of(principal: Principal) -> Tenancy:
     return Tenancy(principal.tenant, principal.weight, principal.priority)
 
 
-def _server_address(deployment: Deployment) -> str | None:
-    """The upstream's host (a span's `server.address`); None for the local engine."""
+def _base_url(deployment: Deployment) -> str | None:
+    """The upstream's base URL (its host is a span's `server.address`); None for the local engine."""
     base_url = getattr(deployment.config, "base_url", None)
-    return urlsplit(base_url).hostname if isinstance(base_url, str) else None
+    return base_url if isinstance(base_url, str) else None
 
 
 async def _aclose(chunks: AsyncIterator[Json]) -> None:

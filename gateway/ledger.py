@@ -33,6 +33,7 @@ from gateway.request_trace import RequestTrace
 from gateway.router import Router, Target
 from gateway.routing_config import PricingConfig
 
+_NO_STAGE = contextlib.nullcontext()  # admission without a trace: one shared no-op
 __all__ = ["Ledger", "Settlement", "Usage", "budget_cost"]
 
 logger = logging.getLogger("unigate.pipeline")
@@ -150,7 +151,7 @@ class Ledger:
             num_completions = _num_choices(body) * (count_prompts(body) if endpoint == "completions" else 1)
             num_max_tokens = per_choice * num_completions
         trace = context.trace
-        with trace.stage("unigate.admission") if trace is not None else contextlib.nullcontext():
+        with trace.stage("unigate.admission") if trace is not None else _NO_STAGE:
             admission = await context.access.admit(
                 context.credential,
                 model=target.model_id,

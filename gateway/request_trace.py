@@ -23,10 +23,12 @@ in the record nor in a span attribute). A traced request's spans are kept by its
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections.abc import Iterator, MutableMapping
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from auth.base import Principal, SettleUsage
 from auth.request_log import AttemptRecord, EndedBy, RequestRecord
@@ -37,6 +39,29 @@ __all__ = ["RequestTrace", "api_family"]
 
 _STATE_KEY = "request_trace"
 _TIMEOUT_CODES = frozenset({"upstream_timeout"})
+
+
+@functools.lru_cache(maxsize=256)
+def _host(base_url: str) -> str | None:
+    """An upstream's host (a span's `server.address`)."""
+    return urlsplit(base_url).hostname
+
+
+class _Stage:
+    __slots__ = ("name", "spans", "start_ns")
+
+    def __init__(self, spans: RequestSpans, name: str) -> None:
+        self.spans, self.name, self.start_ns = spans, name, 0
+
+    def __enter__(self) -> None:
+        self.start_ns = time.time_ns()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        error = "" if exc is None else getattr(exc, "code", type(exc).__name__)
+        self.spans.add(self.name, self.start_ns, time.time_ns(), error=error)
+
+
+_NO_STAGE = contextlib.nullcontext()
 
 
 def api_family(path: str) -> str:
@@ -93,24 +118,17 @@ class RequestTrace:
         if self.spans is not None:
             self.spans.requested(endpoint, model, body, stream)
 
-    @contextlib.contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        """A child span around a stage (authentication, admission); an error ends it with the error's code."""
-        if self.spans is None:
-            yield
-            return
-        start_ns, error = time.time_ns(), ""
-        try:
-            yield
-        except BaseException as exc:
-            error = getattr(exc, "code", type(exc).__name__)
-            raise
-        finally:
-            self.spans.add(name, start_ns, time.time_ns(), error=error)
+    def stage(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """A child span around a stage (authentication, admission); an error ends it with the error's code. An
+        unsampled request gets one shared no-op (a generator-based context manager cost ~1.5 µs a stage)."""
+        return _NO_STAGE if self.spans is None else _Stage(self.spans, name)
 
-    def attempt_started(self, deployment: str, server_address: str | None) -> dict[str, str]:
-        """Open the attempt's span; the `traceparent` headers that make the upstream's spans its children."""
-        return {} if self.spans is None else self.spans.attempt_started(deployment, server_address)
+    def attempt_started(self, deployment: str, base_url: str | None) -> dict[str, str]:
+        """Open the attempt's span (`base_url`: the upstream's, None for the local engine); the `traceparent`
+        headers that make the upstream's spans its children."""
+        if self.spans is None:
+            return {}
+        return self.spans.attempt_started(deployment, None if base_url is None else _host(base_url))
 
     def slot_waited(self, started_perf: float, ended_perf: float) -> None:
         """The attempt's wait for one of the deployment's `max_in_flight` slots."""
