@@ -1,26 +1,29 @@
 """What the request log and tracing cost: the same closed-loop load through four gateways that differ only in them.
 
-    .venv/bin/python benchmarks/observability_cost.py [--seconds 4] [--rounds 3] [--concurrency 32]
+    .venv/bin/python benchmarks/observability_cost.py [--seconds 4] [--rounds 5] [--processes 3] [--concurrency 32]
 
 Processes: the fast fake upstream, a local OTLP/HTTP receiver (accepts `POST /v1/traces`, counts the bytes), and
-four gateways (one uvicorn worker each, each with its own embedded Redis):
+for each of four configurations `--processes` gateways (one uvicorn worker each, each with its own embedded Redis):
 
     baseline       UNIGATE_REQUEST_LOG__ENABLED=false, no OTEL_* variables
     request log    the default: one record per request, written in the background
     log + trace    the request log, and OpenTelemetry at 100% sampling to the receiver
     log + 1%       the request log, and OpenTelemetry with `traceidratio` 0.01
 
-Every round loads each gateway in turn (non-streaming chat, `c` clients, master key), in a rotated order, so a
-host whose speed drifts (other work, thermal) affects all four alike; the table gives the median req/s and gateway
-CPU per request over the rounds, and each as a ratio to the baseline of the same round ("ratio") and to the request
-log's gateway of the same round ("vs log": what tracing adds to the default). The issue's targets at c=32: the
-request log ≥ 0.95 of the baseline's req/s; tracing at 100% ≥ 0.85 and at 1% ≥ 0.97 of the gateway without
-tracing (the default, request log on: "vs log").
+Several processes per configuration: two processes of the very same gateway differ by up to ±7% in req/s (memory
+layout, hash seeds), as much as what is measured here, so a configuration's figure for a round is the mean over its
+processes. Every round loads each gateway in turn (non-streaming chat, `c` clients, master key), in a rotated
+order, so a host whose speed drifts (other work, thermal) affects all alike; the table gives the median req/s and
+gateway CPU per request over the rounds, and each as a ratio to the baseline of the same round ("ratio", with the
+rounds' range) and to the request log's gateway of the same round ("vs log": what tracing adds to the default).
+The issue's targets at c=32: the request log ≥ 0.95 of the baseline's req/s; tracing at 100% ≥ 0.85 and at 1%
+≥ 0.97 of the gateway without tracing (the default, request log on: "vs log").
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import statistics
@@ -108,18 +111,22 @@ class Receiver:
             self.num_exports, self.num_bytes = (int(x) for x in out.split()[:2])
 
 
+Gateway = tuple[subprocess.Popen[bytes], str]  # a gateway's process and its chat completions URL
+
+
 async def measure(
-    gateways: dict[str, tuple[subprocess.Popen[bytes], str]], *, seconds: float, rounds: int, concurrency: int
+    gateways: dict[str, list[Gateway]], *, seconds: float, rounds: int, concurrency: int
 ) -> dict[str, list[Result]]:
+    """Per configuration, one `Result` a round: its processes' runs of that round taken together."""
     results: dict[str, list[Result]] = {name: [] for name in gateways}
-    names = list(gateways)
-    for _, url in gateways.values():  # warm each one up (connections, caches, the first batch)
+    runs = [(name, gateway) for name, processes in gateways.items() for gateway in processes]
+    for _, (_, url) in runs:  # warm each one up (connections, caches, the first batch)
         await load(url, concurrency=concurrency, seconds=1.0, stream=False, api_key=MASTER_KEY)
     for round_index in range(rounds):
-        order = names[round_index % len(names) :] + names[: round_index % len(names)]
-        for name in order:
-            process, url = gateways[name]
-            results[name].append(
+        shift = round_index * len(runs) // rounds
+        this_round: dict[str, list[Result]] = {name: [] for name in gateways}
+        for name, (process, url) in runs[shift:] + runs[:shift]:
+            this_round[name].append(
                 await load(
                     url,
                     concurrency=concurrency,
@@ -129,16 +136,26 @@ async def measure(
                     server_pid=process.pid,
                 )
             )
+        for name, measured in this_round.items():
+            results[name].append(functools.reduce(Result.plus, measured))
     return results
 
 
-def print_table(results: dict[str, list[Result]], concurrency: int, receiver: Receiver) -> None:
+def print_table(results: dict[str, list[Result]], concurrency: int, processes: int, receiver: Receiver) -> None:
     base, logged = results["baseline"], results["request log"]
-    print(f"non-streaming chat, c={concurrency}, {len(base)} rounds (median; ratios per round, then median)")
-    print(f"{'gateway':<12} {'req/s':>8} {'ratio':>6} {'vs log':>6} {'cpu us/req':>11} {'cpu ratio':>9} {'errors':>6}")
+    print(
+        f"non-streaming chat, c={concurrency}, {len(base)} rounds of {processes} processes a configuration (median;"
+        " ratios per round, then median [range])"
+    )
+    print(
+        f"{'gateway':<12} {'req/s':>8} {'ratio':>6} {'range':>11} {'vs log':>6} {'cpu us/req':>11} {'cpu ratio':>9}"
+        f" {'errors':>6}"
+    )
     for name, runs in results.items():
         rps = statistics.median(r.rps for r in runs)
-        ratio = statistics.median(r.rps / b.rps for r, b in zip(runs, base, strict=True))
+        ratios = [r.rps / b.rps for r, b in zip(runs, base, strict=True)]
+        ratio = statistics.median(ratios)
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
         # Tracing's own cost: the same gateway with the log and without traces, in the same round.
         vs_log = statistics.median(r.rps / b.rps for r, b in zip(runs, logged, strict=True))
         cpu = statistics.median(r.cpu_us_per_request for r in runs)
@@ -146,7 +163,10 @@ def print_table(results: dict[str, list[Result]], concurrency: int, receiver: Re
             r.cpu_us_per_request / b.cpu_us_per_request for r, b in zip(runs, base, strict=True)
         )
         errors = sum(r.num_errors for r in runs)
-        print(f"{name:<12} {rps:>8.0f} {ratio:>6.2f} {vs_log:>6.2f} {cpu:>11.0f} {cpu_ratio:>9.2f} {errors:>6}")
+        print(
+            f"{name:<12} {rps:>8.0f} {ratio:>6.2f} {spread:>11} {vs_log:>6.2f} {cpu:>11.0f} {cpu_ratio:>9.2f}"
+            f" {errors:>6}"
+        )
     print(f"OTLP receiver: {receiver.num_exports} exports, {receiver.num_bytes / 1e6:.1f} MB")
 
 
@@ -157,31 +177,32 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
         [sys.executable, str(ROOT / "tests/fakes/upstream.py"), "--port", str(upstream_port), "--uvloop"],
         stdout=subprocess.DEVNULL,
     )
-    gateways: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+    gateways: dict[str, list[Gateway]] = {}
     try:
         for name, extra in CONFIGS.items():
             if name.startswith("log +"):
                 extra = {**extra, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}"}
-            gateways[name] = start_gateway(tmp, name, upstream_port, extra)
+            gateways[name] = [start_gateway(tmp, f"{name} {i}", upstream_port, extra) for i in range(args.processes)]
         wait_for_port(upstream_port)
         wait_for_port(receiver.port)
-        for _, url in gateways.values():
+        for _, url in (gateway for processes in gateways.values() for gateway in processes):
             wait_for_port(int(url.split(":")[2].split("/")[0]))
         results = uvloop.run(measure(gateways, seconds=args.seconds, rounds=args.rounds, concurrency=args.concurrency))
     finally:
-        processes = [upstream, *(p for p, _ in gateways.values())]
+        processes = [upstream, *(p for started in gateways.values() for p, _ in started)]
         for process in processes:
             process.send_signal(signal.SIGINT)
         for process in processes:
             process.wait(15)
         receiver.stop()
-    print_table(results, args.concurrency, receiver)
+    print_table(results, args.concurrency, args.processes, receiver)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=4.0)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--processes", type=int, default=3, help="gateway processes per configuration")
     parser.add_argument("--concurrency", type=int, default=32)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
