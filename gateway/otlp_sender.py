@@ -1,8 +1,8 @@
 """The span sender: a child process that posts the gateway's encoded span batches to the OTLP collector.
 
     parent (gateway worker)                     child (python -m gateway.otlp_sender)
-    export thread ── frame: 4-byte length ──▶   stdin ──▶ OTLP protobuf ──▶ the SDK's OTLP/HTTP client ──▶ collector
-                     + pickled traces                     (otlp_encoding)
+    event loop ───── frame: 4-byte length ──▶   stdin ──▶ OTLP protobuf ──▶ the SDK's OTLP/HTTP client ──▶ collector
+                     + pickled traces       (non-blocking pipe)   (otlp_encoding)
 
 Why a process: posting a batch from a thread of the gateway (HTTP client, urllib3, TLS) cost the event loop ~35 µs
 per traced request at c=32, in the post itself and in the GIL hand-offs around its socket calls, and encoding the
@@ -12,20 +12,21 @@ child encodes (gateway/otlp_encoding.py, under the resource it reads from `OTEL_
 timeout, compression, certificates and retries are read and honoured exactly as the SDK does.
 
 The child is started on the first batch and ends when its stdin closes (the gateway's shutdown, or the gateway
-dying), after sending what it has read. If it dies, the batch being written is lost (counted as not sent) and the
-next batch starts a new one, at most one start per `restart_after_s` (5 s).
+dying), after sending what it has read. If it dies, what it had not read is lost, and the next batch starts a new
+one, at most one start per `restart_after_s` (5 s); a batch refused meanwhile is counted as dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import pickle
+import select
 import signal
 import struct
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -42,10 +43,18 @@ _ROOT = Path(__file__).resolve().parent.parent  # the directory holding the `gat
 
 
 class SenderProcess:
-    """The parent's end: `send(body)` writes one batch to the child (starting it when needed), `close()` ends it
-    after it has sent everything written. Called from the export thread only (`close` after that thread ended)."""
+    """The parent's end: `send(frame)` queues one batch for the child (starting it when needed) and never blocks the
+    event loop: the pipe is non-blocking, what it cannot take now waits in a buffer (at most `max_pending_bytes`;
+    past that a batch is refused) and is written when the loop says the pipe is writable. `close()` ends the child
+    after it has sent everything written."""
 
-    def __init__(self, environ: Mapping[str, str], *, restart_after_s: float = _RESTART_AFTER_S) -> None:
+    def __init__(
+        self,
+        environ: Mapping[str, str],
+        *,
+        restart_after_s: float = _RESTART_AFTER_S,
+        max_pending_bytes: int = 16 << 20,
+    ) -> None:
         # The child reads its configuration from the same OTEL_* variables the gateway was given.
         self._env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         self._env.update({k: v for k, v in environ.items() if k.startswith("OTEL_")})
@@ -53,31 +62,36 @@ class SenderProcess:
         self._process: subprocess.Popen[bytes] | None = None
         self._restart_after_s = restart_after_s
         self._last_start = -restart_after_s
-        self._lock = threading.Lock()
+        self._max_pending_bytes = max_pending_bytes
+        self._pending = bytearray()  # written to the child as its pipe takes it
+        self._writer_loop: asyncio.AbstractEventLoop | None = None  # where a writable-callback waits, if one does
+
+    @property
+    def pid(self) -> int | None:
+        """The running child's process id (None: none runs now)."""
+        process = self._process
+        return process.pid if process is not None and process.poll() is None else None
 
     def send(self, body: bytes) -> bool:
-        """Hand one batch (`pickle_batch`) to the child; False when there is none to take it."""
-        with self._lock:
-            stdin = self._stdin()
-            if stdin is None:
-                return False
-            try:
-                stdin.write(_LENGTH.pack(len(body)))
-                stdin.write(body)
-                stdin.flush()
-            except (BrokenPipeError, OSError, ValueError):
-                logger.warning("span sender process ended unexpectedly; a new one starts with a later batch")
-                self._reap()
-                return False
-            return True
+        """Queue one batch (`pickle_batch`) for the child; False when it cannot be taken (no child, or the child
+        is that far behind)."""
+        if not self._running():
+            return False
+        if len(self._pending) + _LENGTH.size + len(body) > self._max_pending_bytes:
+            return False
+        self._pending += _LENGTH.pack(len(body))
+        self._pending += body
+        self._write()
+        return True
 
-    def _stdin(self) -> IO[bytes] | None:
+    def _running(self) -> bool:
         if self._process is not None and self._process.poll() is None:
-            return self._process.stdin
+            return True
         if self._process is not None:
+            logger.warning("span sender process ended unexpectedly; a new one starts with a later batch")
             self._reap()
         if time.monotonic() - self._last_start < self._restart_after_s:
-            return None
+            return False
         self._last_start = time.monotonic()
         try:
             self._process = subprocess.Popen(
@@ -85,10 +99,50 @@ class SenderProcess:
             )
         except OSError:
             logger.exception("cannot start the span sender process")
-            return None
-        return self._process.stdin
+            return False
+        assert self._process.stdin is not None
+        os.set_blocking(self._process.stdin.fileno(), False)
+        return True
+
+    def _write(self) -> None:
+        """Write what the pipe takes now; wait for the loop's word for the rest (no loop: block until written)."""
+        process = self._process
+        if process is None or process.stdin is None:
+            self._pending.clear()
+            return
+        fd = process.stdin.fileno()
+        try:
+            while self._pending:
+                try:
+                    del self._pending[: os.write(fd, self._pending)]
+                except BlockingIOError:
+                    try:
+                        loop = asyncio.get_running_loop()
+                    except RuntimeError:  # not on a loop (a script, a test): wait for the child here
+                        select.select([], [fd], [], 1.0)
+                        continue
+                    if self._writer_loop is None:
+                        self._writer_loop = loop
+                        loop.add_writer(fd, self._on_writable)
+                    return
+        except OSError:  # the child is gone: what it had not read is lost
+            logger.warning("span sender process ended unexpectedly; a new one starts with a later batch")
+            self._reap()
+            return
+        self._stop_waiting()
+
+    def _on_writable(self) -> None:
+        self._write()
+
+    def _stop_waiting(self) -> None:
+        loop, self._writer_loop = self._writer_loop, None
+        process = self._process
+        if loop is not None and process is not None and process.stdin is not None and not loop.is_closed():
+            loop.remove_writer(process.stdin.fileno())
 
     def _reap(self) -> None:
+        self._stop_waiting()
+        self._pending.clear()
         process, self._process = self._process, None
         if process is not None:
             if process.stdin is not None:
@@ -102,20 +156,20 @@ class SenderProcess:
                 process.kill()
                 process.wait()
 
-    @property
-    def pid(self) -> int | None:
-        """The running child's process id (None: none runs now)."""
-        process = self._process
-        return process.pid if process is not None and process.poll() is None else None
-
     def close(self) -> None:
-        """End the child once it has sent what it was given (it stops reading at end of input)."""
-        with self._lock:
-            process, self._process = self._process, None
+        """Write what waits (blocking: this is the stop), then end the child once it has sent it all (it stops
+        reading at end of input)."""
+        self._stop_waiting()
+        process, pending = self._process, bytes(self._pending)
+        self._process = None
+        self._pending.clear()
         if process is None:
             return
         try:
             if process.stdin is not None:
+                os.set_blocking(process.stdin.fileno(), True)
+                if pending:
+                    _write_all(process.stdin.fileno(), pending)
                 process.stdin.close()
         except OSError:
             pass
@@ -125,6 +179,12 @@ class SenderProcess:
             logger.warning("span sender process did not finish within %.0f s; stopped", _STOP_TIMEOUT_S)
             process.kill()
             process.wait()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def pickle_batch(traces: list[Any]) -> bytes:

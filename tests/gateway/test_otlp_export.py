@@ -5,7 +5,7 @@ collector and sends what is queued when it stops."""
 
 from __future__ import annotations
 
-import threading
+import asyncio
 
 import pytest
 from hypothesis import given, settings
@@ -149,31 +149,26 @@ def _trace_of(tracing: Tracing, children: int) -> None:
     )
 
 
-def test_the_queue_is_bounded_and_a_stop_sends_what_waits() -> None:
-    gate, bodies = threading.Event(), []
+def test_full_batches_go_out_a_refused_one_is_counted_and_a_stop_sends_what_waits() -> None:
+    bodies: list[bytes] = []
 
     def send(body: bytes) -> bool:
-        gate.wait(30)
         bodies.append(body)
-        return True
+        return len(bodies) > 1  # the first batch is refused (the sender is behind, or gone)
 
-    exporter = BatchExporter(
-        send, encode_attributes({"service.name": "t"}), delay_s=60, max_queue_spans=10, batch_spans=5
-    )
+    exporter = BatchExporter(send, encode_attributes({"service.name": "t"}), delay_s=60, batch_spans=5)
     tracing = Tracing(exporter)
-    for _ in range(6):
-        _trace_of(
-            tracing, 2
-        )  # 3 spans each (root, stream, one more): the first three traces fit in 10 (the first wakes the thread at 5)
-    assert exporter.num_dropped >= 3
-    gate.set()
-    tracing.shutdown()
+    for _ in range(7):
+        _trace_of(tracing, 2)  # 3 spans each (root, stream, one more): a batch goes out at every second trace
+    assert len(bodies) == 3 and exporter.num_dropped == 6 and exporter.num_sent == 12
+    tracing.shutdown()  # the seventh trace waited for a full batch: the stop sends it
+    assert len(bodies) == 4 and exporter.num_sent == 15
     spans = []
-    for body in bodies:
+    for body in bodies[1:]:
         request = ExportTraceServiceRequest()
         request.ParseFromString(body)
         spans += request.resource_spans[0].scope_spans[0].spans
-    assert len(spans) + exporter.num_dropped == 18 and exporter.num_sent == len(spans)
+    assert len(spans) == exporter.num_sent
     roots = {s.span_id: s for s in spans if s.name == "r"}
     for span in spans:
         if span.name != "r":
@@ -181,6 +176,32 @@ def test_the_queue_is_bounded_and_a_stop_sends_what_waits() -> None:
             assert span.end_time_unix_nano <= root.end_time_unix_nano
     streams = [s for s in spans if s.name == "unigate.stream"]  # left open: ended with the request
     assert streams and all(s.end_time_unix_nano == roots[s.parent_span_id].end_time_unix_nano for s in streams)
+
+
+def test_spans_past_the_queue_bound_are_dropped_and_counted() -> None:
+    sent: list[bytes] = []
+    exporter = BatchExporter(lambda body: sent.append(body) is None, b"", max_queue_spans=4, batch_spans=5)
+    tracing = Tracing(exporter)
+    _trace_of(tracing, 2)  # 3 spans wait (under a batch)
+    _trace_of(tracing, 2)  # 3 more would be 6 > 4
+    assert exporter.num_dropped == 3 and not sent
+    tracing.shutdown()
+    assert len(sent) == 1 and exporter.num_sent == 3
+
+
+async def test_on_the_event_loop_a_partial_batch_goes_out_after_the_delay() -> None:
+    sent: list[bytes] = []
+    exporter = BatchExporter(lambda body: sent.append(body) is None, b"", delay_s=0.05, batch_spans=512)
+    tracing = Tracing(exporter)
+    _trace_of(tracing, 2)
+    assert not sent
+    for _ in range(200):  # the timer fires ~0.05 s after the first span waited; bounded, not a timing assertion
+        await asyncio.sleep(0.01)
+        if sent:
+            break
+    assert len(sent) == 1 and exporter.num_sent == 3
+    tracing.shutdown()
+    assert len(sent) == 1  # nothing was left for the stop
 
 
 def test_a_failing_collector_does_not_stop_the_exporter() -> None:
