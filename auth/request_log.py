@@ -159,7 +159,9 @@ class RequestLog:
     flush_interval_s: float = 0.2
     clock: Callable[[], float] = time.time  # seconds since the epoch (tests move it)
     num_dropped: int = 0
-    _buffer: deque[RequestRecord] = field(default_factory=deque)
+    # Records wait encoded, as (request id + newline, JSON + newline): a record object kept until its batch is
+    # written would survive the collector's young generation (and be traversed again and again); bytes are not.
+    _buffer: deque[tuple[str, bytes]] = field(default_factory=deque)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task[None] | None = None
     _is_down: bool = False
@@ -172,7 +174,7 @@ class RequestLog:
         if len(self._buffer) >= self.max_buffered:
             self._buffer.popleft()
             self.num_dropped += 1
-        self._buffer.append(record)
+        self._buffer.append((f"{record.request_id}\n", record.to_json() + b"\n"))
         if len(self._buffer) >= _SCAN_BATCH:
             self._wake.set()
 
@@ -230,7 +232,7 @@ class RequestLog:
                 self._buffer.popleft()
         return written
 
-    async def _append(self, batch: Iterable[RequestRecord]) -> None:
+    async def _append(self, batch: Iterable[tuple[str, bytes]]) -> None:
         # Two arguments a batch (ids, records; each ends in a newline), not two a record: see the script.
         retention_ms = int(self.retention_days * _DAY_MS)
         now_ms = int(self.clock() * 1000)
@@ -242,8 +244,8 @@ class RequestLog:
             (day + 1) * _DAY_MS + retention_ms,
         ]
         batch = list(batch)
-        args.append("".join([f"{record.request_id}\n" for record in batch]))
-        args.append(b"".join([record.to_json() + b"\n" for record in batch]))
+        args.append("".join([request_id for request_id, _ in batch]))
+        args.append(b"".join([record for _, record in batch]))
         await _APPEND(self.redis, [redis_names.REQUEST_LOG], args)
 
     # -- reading ---------------------------------------------------------------------------------------------------
