@@ -10,8 +10,8 @@ On when `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) 
 Why not the SDK's tracer: a request makes six or seven spans, and the SDK's spans (locks, bounded attribute maps,
 processor hooks) and its protobuf encoder cost ~260 µs of CPU per request, two thirds of what the gateway spends
 on the request itself. Here the request's path only notes times and ids (gateway/request_spans.py: one tuple per
-finished span, `otlp_encoding.SpanRow`); when the request ends its rows are queued, and each full batch is
-pickled (one C call) into a pipe to a child process (gateway/otlp_sender.py) that writes it to the wire format
+finished span, `otlp_encoding.SpanRow`); when the request ends its rows are pickled (one C call) and queued, and
+each full batch goes through a pipe to a child process (gateway/otlp_sender.py) that writes it to the wire format
 directly (gateway/otlp_encoding.py) and posts it with the SDK's own OTLP/HTTP exporter client (its retries,
 headers, compression and TLS), so what reaches the collector is standard OTLP/HTTP protobuf. Encoding on the event
 loop had cost ~10 µs a traced request, and posting from a thread of the gateway ~35 µs more. A request the
@@ -32,9 +32,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from gateway.otlp_encoding import SpanRow, encode_request, encode_spans
-from gateway.otlp_sender import SenderProcess, pickle_batch
+from gateway.otlp_sender import SenderProcess, pickle_trace
 
 __all__ = [
     "BatchExporter",
@@ -88,7 +89,8 @@ def tracing_from_env(environ: Mapping[str, str] | None = None) -> Tracing | None
     sender = SenderProcess(environ)
     batches = BatchExporter(
         sender.send,
-        encode=pickle_batch,  # the sender process encodes it (otlp_sender.py)
+        pack=pickle_trace,  # bytes wait, not span lists the collector would traverse; the sender encodes them
+        encode=b"".join,
         close=sender.close,
         delay_s=_env_number(environ, "OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000,
         max_queue_spans=int(_env_number(environ, "OTEL_BSP_MAX_QUEUE_SIZE", 2048)),
@@ -227,7 +229,8 @@ def otlp_batch(resource: bytes) -> Callable[[list[TraceSpans]], bytes]:
 class BatchExporter:
     """Requests' finished spans, queued on the event loop and handed on in batches, on the loop itself: as soon as
     `batch_spans` wait, else `delay_s` after the first of a batch came (no loop running: at the next full batch or
-    the stop). A batch is made bytes by `encode` (by default an OTLP request under `resource`) and given to `send`,
+    the stop). A trace waits as `pack` makes it (by default as it is); a batch is made bytes by `encode` (by
+    default an OTLP request under `resource`) and given to `send`,
     which must not block (the gateway's sends to a pipe, gateway/otlp_sender.py). A batch `send` refuses (or raises
     for) is dropped and its spans counted, as are spans past `max_queue_spans` waiting: never held without bound.
 
@@ -239,16 +242,18 @@ class BatchExporter:
         send: Callable[[bytes], bool],
         resource: bytes = b"",
         *,
-        encode: Callable[[list[TraceSpans]], bytes] | None = None,
+        pack: Callable[[TraceSpans], Any] | None = None,
+        encode: Callable[[list[Any]], bytes] | None = None,
         close: Callable[[], None] = lambda: None,
         delay_s: float = 5.0,
         max_queue_spans: int = 2048,
         batch_spans: int = 512,
     ) -> None:
         self._send, self._close = send, close
+        self._pack = pack
         self._encode = encode or otlp_batch(resource)
         self._delay_s, self._max_queue_spans, self._batch_spans = delay_s, max_queue_spans, batch_spans
-        self._queue: deque[tuple[TraceSpans, int]] = deque()  # (a trace's spans, how many)
+        self._queue: deque[tuple[Any, int]] = deque()  # (a trace's spans as `pack` made them, how many)
         self._num_waiting = 0
         self._timer: asyncio.TimerHandle | None = None
         self.num_dropped = 0
@@ -259,7 +264,7 @@ class BatchExporter:
         if self._num_waiting + count > self._max_queue_spans:
             self._dropped(count, f"span export queue full ({self._max_queue_spans} spans)")
             return
-        self._queue.append((spans, count))
+        self._queue.append((spans if self._pack is None else self._pack(spans), count))
         self._num_waiting += count
         if self._num_waiting >= self._batch_spans:
             self._drain(full_only=True)
@@ -276,7 +281,7 @@ class BatchExporter:
 
     def _drain(self, *, full_only: bool = False) -> None:
         while self._queue and (not full_only or self._num_waiting >= self._batch_spans):
-            batch: list[TraceSpans] = []
+            batch: list[Any] = []
             count = 0
             while self._queue and count < self._batch_spans:
                 spans, num_spans = self._queue.popleft()

@@ -15,7 +15,7 @@ import pytest
 from fakes.otlp import OtlpReceiver
 
 from gateway.otlp_encoding import SpanRow
-from gateway.otlp_sender import SenderProcess, pickle_batch
+from gateway.otlp_sender import SenderProcess, pickle_trace, unpickle_batch
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def receiver() -> Iterator[OtlpReceiver]:
 def batch(name: str) -> bytes:
     """One trace of one span, as the gateway's export thread hands it over."""
     row: SpanRow = (name, 7, 0, 2, 1_000, 2_000, (("unigate.cost_usd", Decimal("0.25")),), "", False)
-    return pickle_batch([(42, "", [row])])
+    return pickle_trace((42, "", [row]))
 
 
 def names(receiver: OtlpReceiver) -> list[str]:
@@ -120,3 +120,9 @@ def test_an_interrupt_to_the_process_group_does_not_cut_the_sender(receiver: Otl
     assert sender.send(batch("two")) and sender.pid == pid
     sender.close()
     assert names(receiver) == ["one", "two"]
+
+
+def test_a_frame_is_its_traces_pickled_one_after_another() -> None:
+    traces = [(n, "k=v" if n % 2 else "", [(f"s{n}", n, 0, 1, 1, 2, (("a", n),), "", False)]) for n in range(1, 4)]
+    assert unpickle_batch(b"".join(pickle_trace(t) for t in traces)) == traces
+    assert unpickle_batch(b"") == []
