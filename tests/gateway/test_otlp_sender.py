@@ -78,13 +78,19 @@ def _wait_until_dead(pid: int) -> None:
     raise AssertionError(f"process {pid} did not exit")
 
 
-def test_a_sender_that_dies_is_replaced_with_the_next_batch(receiver: OtlpReceiver) -> None:
-    sender = SenderProcess({"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url}, restart_after_s=0)
+def _killed_sender(receiver: OtlpReceiver, restart_after_s: float) -> tuple[SenderProcess, int]:
+    """A sender whose child took one batch ("first") and was then killed; the dead child's pid."""
+    sender = SenderProcess({"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url}, restart_after_s=restart_after_s)
     assert sender.send(batch("first"))
     first = sender.pid
     assert first is not None
     os.kill(first, signal.SIGKILL)
     _wait_until_dead(first)
+    return sender, first
+
+
+def test_a_sender_that_dies_is_replaced_with_the_next_batch(receiver: OtlpReceiver) -> None:
+    sender, first = _killed_sender(receiver, restart_after_s=0)
     assert sender.send(batch("second")) and sender.send(batch("third"))
     assert sender.pid not in (None, first)
     sender.close()
@@ -94,12 +100,7 @@ def test_a_sender_that_dies_is_replaced_with_the_next_batch(receiver: OtlpReceiv
 def test_a_dead_sender_is_restarted_at_most_once_per_interval(receiver: OtlpReceiver) -> None:
     """A child that keeps dying must not be started for every batch: within `restart_after_s` of the last start a
     batch is reported unsent (False) and counted as such, not sent."""
-    sender = SenderProcess({"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url}, restart_after_s=60)
-    assert sender.send(batch("first"))
-    first = sender.pid
-    assert first is not None
-    os.kill(first, signal.SIGKILL)
-    _wait_until_dead(first)
+    sender, _ = _killed_sender(receiver, restart_after_s=60)
     assert not sender.send(batch("lost"))  # no new child within a minute of the last start
     sender.close()
     assert "lost" not in names(receiver)
