@@ -26,7 +26,7 @@ import logging
 import operator
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -232,7 +232,7 @@ class RequestLog:
                 self._buffer.popleft()
         return written
 
-    async def _append(self, batch: Iterable[tuple[str, bytes]]) -> None:
+    async def _append(self, batch: list[tuple[str, bytes]]) -> None:
         # Two arguments a batch (ids, records; each ends in a newline), not two a record: see the script.
         retention_ms = int(self.retention_days * _DAY_MS)
         now_ms = int(self.clock() * 1000)
@@ -243,7 +243,6 @@ class RequestLog:
             redis_names.request_log_index(day),
             (day + 1) * _DAY_MS + retention_ms,
         ]
-        batch = list(batch)
         args.append("".join([request_id for request_id, _ in batch]))
         args.append(b"".join([record for _, record in batch]))
         await _APPEND(self.redis, [redis_names.REQUEST_LOG], args)

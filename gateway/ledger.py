@@ -16,7 +16,6 @@ generated text at `CHARS_PER_TOKEN`. Upstream `max_in_flight` slots are the atte
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -29,11 +28,10 @@ from gateway.estimates import CHARS_PER_TOKEN, answer_chars, estimate_prompt_tok
 from gateway.metrics import GatewayMetrics
 from gateway.output_limits import reserved_output_tokens
 from gateway.request_fields import count_prompts
-from gateway.request_trace import RequestTrace
+from gateway.request_trace import NO_STAGE, RequestTrace
 from gateway.router import Router, Target
 from gateway.routing_config import PricingConfig
 
-_NO_STAGE = contextlib.nullcontext()  # admission without a trace: one shared no-op
 __all__ = ["Ledger", "Settlement", "Usage", "budget_cost"]
 
 logger = logging.getLogger("unigate.pipeline")
@@ -151,7 +149,7 @@ class Ledger:
             num_completions = _num_choices(body) * (count_prompts(body) if endpoint == "completions" else 1)
             num_max_tokens = per_choice * num_completions
         trace = context.trace
-        with trace.stage("unigate.admission") if trace is not None else _NO_STAGE:
+        with trace.stage("unigate.admission") if trace is not None else NO_STAGE:
             admission = await context.access.admit(
                 context.credential,
                 model=target.model_id,
