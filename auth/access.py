@@ -32,12 +32,13 @@ from redis.typing import EncodableT
 
 from auth import redis_names, scripts
 from auth.base import KEY_PREFIX, NO_COST, Admission, BudgetCost, Principal, SettleUsage, wrong_prefix_error
-from auth.cluster_pipe import make_pipe
+from auth.cluster_pipe import ClusterCommandPipe, make_pipe
 from auth.failure_policy import FailurePolicy
 from auth.key_cache import CachedKey, CachedTeam, KeyCache
 from auth.keys import hash_key, new_request_id
 from auth.redis_client import RedisClient, disconnect_idle, is_writable
 from auth.rejections import rate_limit_headers, rejection, unknown_key_error
+from auth.resp_pipe import CommandPipe
 from auth.scripts import DEFAULT_SCRIPTS, ScriptError, ScriptSet, StorageError
 from auth.settle_batch import SettleBatcher
 from auth.store import KeyRecord, KeyStore
@@ -106,6 +107,12 @@ class RedisAccess:
         self.upstream_limiter = RedisUpstreamLimiter(
             redis, self._pipe, failures=self._failures, lease_ttl_ms=self._lease_ttl_ms, script_set=script_set
         )
+
+    @property
+    def command_pipe(self) -> CommandPipe | ClusterCommandPipe:
+        """The hot path's auto-pipelined connection (one per cluster node), for other writers off the hot path
+        (the request log's batches); closed by `aclose()`, so they must be done first."""
+        return self._pipe
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """What one request went through, noted by the stages as it happens: the request log's record
 (auth/request_log.py) and, when tracing is on (gateway/tracing.py), its OpenTelemetry spans.
 
-    trace = RequestTrace.begin(scope, tracing)              # gateway/middleware/request_log.py, on arrival
+    trace = RequestTrace.begin(scope, tracing)              # gateway/middleware/request_trace.py, on arrival
     trace.authenticated(principal)                         # gateway/call_context.py
     trace.requested(endpoint, model, body, stream=...)     # gateway/pipeline.py, before admission
     with trace.stage("unigate.admission"): ...             # gateway/ledger.py
@@ -12,7 +12,7 @@
     trace.answered(deployment, model)                      # gateway/pipeline.py, the try that answered
     trace.first_token()                                    #   a stream's first chunk
     trace.settled(usage)  ...  trace.settle_done()         # gateway/ledger.py, the charge
-    record = trace.finish(...)                             # gateway/middleware/request_log.py, at the end
+    row = trace.finish(...)                                # gateway/middleware/request_trace.py, at the end
 
 It lives in the ASGI scope's state, so the middleware finds it whatever happened below (a limit's 429, an upstream
 failure, a client gone). It holds counts, names and times only: never text of the request or the answer (neither
@@ -31,7 +31,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from auth.base import Principal, SettleUsage
-from auth.request_log import AttemptRecord, EndedBy, RequestRecord
+from auth.request_log import AttemptRow, EndedBy, RecordRow
 from gateway.request_spans import RequestSpans
 from gateway.tracing import Tracing
 
@@ -78,7 +78,7 @@ class RequestTrace:
     started_ns: int  # wall clock (ns since the epoch) at `started_perf`
     principal: Principal | None = None  # None until the key is verified (an unverified request is not logged)
     model: str = ""  # as requested
-    attempts: list[AttemptRecord] = field(default_factory=list)
+    attempts: list[AttemptRow] = field(default_factory=list)
     deployment: str | None = None
     served_model: str | None = None
     is_stream: bool = False
@@ -137,9 +137,7 @@ class RequestTrace:
 
     def attempted(self, deployment: str, status: int, duration_s: float, code: str = "") -> None:
         start_s = time.perf_counter() - duration_s - self.started_perf
-        self.attempts.append(
-            AttemptRecord(deployment, status, round(duration_s * 1000, 2), code, round(start_s * 1000, 2))
-        )
+        self.attempts.append((deployment, status, _ms(duration_s), code, _ms(start_s)))
         if self.spans is not None:
             self.spans.attempted(status, code)
 
@@ -176,11 +174,47 @@ class RequestTrace:
 
     # -- the end -----------------------------------------------------------------------------------------------------
 
-    def finish(self, *, request_id: str, route: str, status: int, client_left: bool) -> RequestRecord | None:
-        """End the spans; the request log's record (None for a request whose key was never verified)."""
+    def finish(self, *, request_id: str, route: str, status: int, client_left: bool) -> RecordRow | None:
+        """End the spans; the request log's record, as its values in field order (None for a request whose key
+        was never verified)."""
         code = self.error_code or ("client_disconnected" if client_left else "")
+        ended_by: EndedBy = "finished"
+        if client_left:
+            ended_by = "client_left"
+        elif code in _TIMEOUT_CODES:
+            ended_by = "timeout"
+        elif code or status >= 400:
+            ended_by = "error"
         duration_s = time.perf_counter() - self.started_perf
-        record = self._record(request_id, route, status, code, duration_s, client_left)
+        principal = self.principal
+        row = None
+        if principal is not None:
+            usage = self.usage
+            served = self.served_model
+            row = (  # RequestRecord's fields, in order (auth/request_log.py)
+                self.started_ns // 1_000_000,
+                request_id,
+                principal.key_id,
+                principal.name,
+                principal.team_id,
+                api_family(route),
+                route,
+                self.model,
+                self.deployment,
+                status,
+                code,
+                ended_by,
+                self.is_stream,
+                served if served is not None and served != self.model else None,  # the fallback that answered
+                self.attempts,
+                usage.prompt_tokens if usage else 0,
+                usage.completion_tokens if usage else 0,
+                self.num_cached_tokens,
+                usage.is_estimated if usage else False,
+                usage.cost_micros if usage else 0,
+                None if self.ttft_s is None else _ms(self.ttft_s),
+                _ms(duration_s),
+            )
         if self.spans is not None:
             self.spans.finish(
                 status=status,
@@ -189,45 +223,11 @@ class RequestTrace:
                 served_model=self.served_model,
                 usage=self.usage,
                 request_id=request_id,
-                ended_by=None if record is None else record.ended_by,
+                ended_by=None if row is None else ended_by,
             )
-        return record
+        return row
 
-    def _record(
-        self, request_id: str, route: str, status: int, code: str, duration_s: float, client_left: bool
-    ) -> RequestRecord | None:
-        principal = self.principal
-        if principal is None:
-            return None
-        ended_by: EndedBy = "finished"
-        if client_left:
-            ended_by = "client_left"
-        elif code in _TIMEOUT_CODES:
-            ended_by = "timeout"
-        elif code or status >= 400:
-            ended_by = "error"
-        usage = self.usage
-        return RequestRecord(
-            time_ms=self.started_ns // 1_000_000,
-            request_id=request_id,
-            key_id=principal.key_id,
-            key_name=principal.name,
-            team_id=principal.team_id,
-            api=api_family(route),
-            route=route,
-            model=self.model,
-            deployment=self.deployment,
-            status=status,
-            code=code,
-            ended_by=ended_by,
-            is_stream=self.is_stream,
-            fallback=self.served_model if self.served_model not in (None, self.model) else None,
-            attempts=tuple(self.attempts),
-            prompt_tokens=usage.prompt_tokens if usage else 0,
-            completion_tokens=usage.completion_tokens if usage else 0,
-            cached_tokens=self.num_cached_tokens,
-            is_estimated=usage.is_estimated if usage else False,
-            cost_micros=usage.cost_micros if usage else 0,
-            ttft_ms=None if self.ttft_s is None else round(self.ttft_s * 1000, 2),
-            duration_ms=round(duration_s * 1000, 2),
-        )
+
+def _ms(seconds: float) -> float:
+    """Milliseconds to two decimals (`round(x)` to an int and a division: a third of `round(x, 2)`)."""
+    return round(seconds * 100_000) / 100

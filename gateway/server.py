@@ -80,7 +80,12 @@ def build_app(settings: Settings) -> Starlette:
     access = RedisAccess(redis, config=config, master_key=master_key)
     log_settings = settings.request_log
     request_log = (
-        RequestLog(redis, retention_days=log_settings.retention_days, max_len=log_settings.max_records)
+        RequestLog(
+            redis,
+            writer=access.command_pipe,
+            retention_days=log_settings.retention_days,
+            max_len=log_settings.max_records,
+        )
         if log_settings.enabled
         else None
     )

@@ -39,11 +39,11 @@ class RequestTraceMiddleware:
             client_left = bool(state.get("client_disconnected"))
             # The status the metrics middleware (inside this one) saw the client get, 499 when it left first.
             status = state.get("status") or (ClientDisconnectedError.status_code if client_left else 500)
-            record = trace.finish(
+            row = trace.finish(
                 request_id=str(state.get("request_id", "")),
                 route=scope["path"],
                 status=status,
                 client_left=client_left,
             )
-            if record is not None and self.log is not None:
-                self.log.add(record)
+            if row is not None and self.log is not None:
+                self.log.add_row(row)

@@ -4,12 +4,16 @@ cap enforced as the clock moves."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
 from redis.asyncio import Redis
 
 from auth import redis_names
+from auth.cluster_pipe import make_pipe
 from auth.request_log import AttemptRecord, RequestFilter, RequestLog, RequestRecord
+from auth.scripts import Target
 
 DAY_S = 86_400.0
 
@@ -41,8 +45,19 @@ class Clock:
         return self.now
 
 
-async def test_a_record_reads_back_whole_by_its_request_id(redis: Redis) -> None:
-    log = RequestLog(redis)
+@pytest.fixture(params=["client", "command pipe"])
+async def writer(request: pytest.FixtureRequest, redis: Redis) -> AsyncIterator[Target | None]:
+    """What the batches are written on: the Redis client, or the gateway's command pipe (as `build_app` does)."""
+    if request.param == "client":
+        yield None
+        return
+    pipe = make_pipe(redis)
+    yield pipe
+    await pipe.aclose()
+
+
+async def test_a_record_reads_back_whole_by_its_request_id(redis: Redis, writer: Target | None) -> None:
+    log = RequestLog(redis, writer=writer)
     rec = record(
         1,
         attempts=(AttemptRecord("d0", 503, 12.5, "upstream_unavailable"), AttemptRecord("d1", 200, 80.0)),
@@ -199,7 +214,9 @@ async def test_stopping_the_writer_never_hangs_and_writes_what_was_buffered(redi
         assert await log.get(f"req-{1000 * n}") is not None
 
 
-async def test_a_batch_whose_ids_and_records_differ_is_our_error_not_an_outage(redis: Redis) -> None:
+async def test_a_batch_whose_ids_and_records_differ_is_our_error_not_an_outage(
+    redis: Redis, writer: Target | None
+) -> None:
     """The script takes a batch as two newline-ended strings; a mismatch (a bug of ours) is a script error, never
     "Redis is down", and adds nothing. The writer drops such a batch (counted) and goes on with the next."""
     from auth.request_log import _APPEND
@@ -207,16 +224,16 @@ async def test_a_batch_whose_ids_and_records_differ_is_our_error_not_an_outage(r
 
     args: list[str | int | bytes] = [0, 100, redis_names.request_log_index(1), 10**13, "a\nb\n", b"[1]\n"]
     try:
-        await _APPEND(redis, [redis_names.REQUEST_LOG], args)
+        await _APPEND(writer or redis, [redis_names.REQUEST_LOG], args)
     except ScriptError as exc:
         assert "differ in number" in exc.detail
     else:
         raise AssertionError("a mismatched batch was accepted")
     assert await redis.xlen(redis_names.REQUEST_LOG) == 0
-    log = RequestLog(redis)
+    log = RequestLog(redis, writer=writer)
     log.add(record(0, request_id="bad\nid"))  # never from the gateway (ids are checked), so a bug's stand-in
     assert await log.flush() == 0 and log.num_dropped == 1 and await redis.xlen(redis_names.REQUEST_LOG) == 0
-    ids = [f"id-{n}.A:z_{n}" for n in range(250)]  # every allowed kind of character, over one batch of 200
+    ids = [f"id-{n}.A:z_{n}" for n in range(250)]  # every allowed kind of character, over two batches of 100
     for n, request_id in enumerate(ids):
         log.add(record(n, request_id=request_id))
     assert await log.flush() == 250 and log.num_dropped == 1
