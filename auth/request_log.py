@@ -9,7 +9,7 @@ answer text.
 Writing is off the hot path: `RequestLog.add` puts a record in a bounded in-memory buffer, and a background task
 appends each batch with one script call (`auth/lua/append_request_log.lua`: XADD per record, an id index entry,
 and a trim to the retention and the length cap), sent on the gateway's command pipe (auth/resp_pipe.py): through
-redis-py's client, a batch had cost the gateway ~20 k instructions a record, more than building and encoding it.
+redis-py's client, a batch had cost the gateway ~26 k instructions a record, more than building and encoding it.
 A Redis outage keeps the buffer (up to its bound, then the oldest records are dropped and counted) and retries on
 the next flush.
 
