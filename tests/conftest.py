@@ -12,6 +12,12 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from fakes.engine_models import (  # noqa: F401  # one definition for the suite: a session fixture imported into
+    bundled_checkpoint,  # two conftest files is two fixtures, each loading the bundled model once
+    real_tokenizer,
+    tiny_model_dir,
+    transformers_bundled_model,
+)
 from fakes.fixtures import fake_upstream, fake_upstream_factory, gateway_server  # noqa: F401
 from fakes.net import free_port
 from hypothesis import settings

@@ -9,7 +9,7 @@ from fakes.scripts import run_script
 
 @pytest.mark.timeout(300)
 def test_fleet_routing_benchmark_quick_run_prints_every_policy() -> None:
-    out = run_script("benchmarks/fleet_routing.py", "--quick", "--time-scale", "0.5", timeout=280)
+    out = run_script("benchmarks/fleet_routing.py", "--quick", "--time-scale", "0.25", timeout=280)
     for policy in ("round_robin", "least_in_flight", "least_load", "prefix_affinity", "prefix_affinity, 2 gateways"):
         assert f"| 4 | {policy} |" in out
     assert "one infinitely large replica's hit rate" in out

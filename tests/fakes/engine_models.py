@@ -33,6 +33,21 @@ def bundled_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="session")
+def transformers_bundled_model() -> Any:
+    """transformers' own GGUF load of the bundled model (float32, eval mode): the reference the loader and the engine
+    are checked against. Loaded once per session (~20 s)."""
+    from transformers import AutoModelForCausalLM
+
+    from local_engine.loader import bundled_model_path
+
+    path = bundled_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
 def real_tokenizer(bundled_checkpoint: Any) -> Any:
     """The bundled model's tokenizer (byte-level BPE, from the GGUF metadata)."""
     return bundled_checkpoint.tokenizer

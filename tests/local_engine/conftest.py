@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from fakes.engine_models import bundled_checkpoint, real_tokenizer, tiny_model_dir  # noqa: F401
 from fakes.tiny_models import COMMON, VOCAB, TinyModel, tiny_model  # noqa: F401
 
 

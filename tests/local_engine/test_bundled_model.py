@@ -14,14 +14,8 @@ QUESTIONS = ["What is the capital of France?", "Write one sentence about 春天 
 MAX_NEW = 24
 
 
-def test_bundled_model_matches_transformers_greedy(bundled_checkpoint: Any) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from local_engine.loader import bundled_model_path
-
-    path = bundled_model_path()
-    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    reference.eval()
+def test_bundled_model_matches_transformers_greedy(bundled_checkpoint: Any, transformers_bundled_model: Any) -> None:
+    reference = transformers_bundled_model
     tokenizer = bundled_checkpoint.tokenizer
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     # A small token budget: the prompts are prefilled in chunks alongside each other's decodes.

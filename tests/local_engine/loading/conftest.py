@@ -37,14 +37,9 @@ def bundled_cached_load(bundled_first_load: Checkpoint, bundled_path: Path, sess
 
 
 @pytest.fixture(scope="session")
-def transformers_gguf_state_dict(bundled_path: Path) -> dict[str, torch.Tensor]:
+def transformers_gguf_state_dict(transformers_bundled_model: Any) -> dict[str, torch.Tensor]:
     """transformers' own GGUF load of the same file: the reference for names, un-permutation and dequantization."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(bundled_path.parent), gguf_file=bundled_path.name, dtype=torch.float32, local_files_only=True
-    )
-    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    return {name: tensor.detach().clone() for name, tensor in transformers_bundled_model.state_dict().items()}
 
 
 @pytest.fixture
