@@ -5,9 +5,11 @@ cap enforced as the clock moves."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from fakes.redis_topologies import RedisProcess
 from redis.asyncio import Redis
 
 from auth import redis_names
@@ -240,3 +242,37 @@ async def test_a_batch_whose_ids_and_records_differ_is_our_error_not_an_outage(
     for request_id in (ids[0], ids[199], ids[200], ids[-1]):
         found = await log.get(request_id)
         assert found is not None and found.request_id == request_id
+
+
+async def test_records_wait_out_a_redis_outage_and_are_written_once_it_is_back(tmp_path: Path) -> None:
+    """Written on the command pipe (as the gateway does), a batch Redis cannot take is kept, not lost: the flush
+    fails as an outage (`StorageError`, not a script error), the buffer stays whole, and the next flush after the
+    restart writes every record once."""
+    from redis.asyncio import Redis as AsyncRedis
+
+    from auth.scripts import StorageError
+
+    server = RedisProcess(tmp_path / "redis").start()
+    redis = AsyncRedis(host="127.0.0.1", port=server.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+    pipe = make_pipe(redis)
+    try:
+        log = RequestLog(redis, writer=pipe)
+        log.add(record(0))
+        assert await log.flush() == 1
+        server.stop(kill=True)
+        for n in range(1, 151):  # more than one batch
+            log.add(record(n))
+        with pytest.raises(StorageError):
+            await log.flush()
+        assert len(log._buffer) == 150 and log.num_dropped == 0
+        server.start()  # same port, empty (no persistence): what was written before is gone with it
+        assert await log.flush() == 150
+        assert await log.flush() == 0 and log.num_dropped == 0
+        assert await redis.xlen(redis_names.REQUEST_LOG) == 150
+        for n in (1, 100, 150):
+            found = await log.get(f"req-{n}")
+            assert found is not None and found == record(n)
+    finally:
+        await pipe.aclose()
+        await redis.aclose()
+        server.stop()
