@@ -17,7 +17,9 @@ order, so a host whose speed drifts (other work, thermal) affects all alike; the
 gateway CPU per request over the rounds, and each as a ratio to the baseline of the same round ("ratio", with the
 rounds' range) and to the request log's gateway of the same round ("vs log": what tracing adds to the default).
 The issue's targets at c=32: the request log ≥ 0.95 of the baseline's req/s; tracing at 100% ≥ 0.85 and at 1%
-≥ 0.97 of the gateway without tracing (the default, request log on: "vs log").
+≥ 0.97 of the gateway without tracing (the default, request log on: "vs log"). On a host whose speed swings within
+seconds these ratios spread wider than the costs they measure: `observability_instructions.py` counts the same
+gateways' instructions a request instead.
 """
 
 from __future__ import annotations
