@@ -62,7 +62,7 @@ _APPEND = LuaScript("append_request_log")
 
 # A record as the gateway builds it on every request (gateway/request_trace.py): its values in `RequestRecord`'s
 # field order, attempts as `AttemptRow`s. orjson writes the tuple as the JSON array a stored record is; building
-# it costs a third of a `RequestRecord` and its encoding (2.9 vs 0.9 us).
+# it costs a third of a `RequestRecord` and its encoding (the trace's `finish` and the JSON: 3.1 vs 1.1 us alone).
 AttemptRow = tuple[str, int, float, str, float]  # deployment, status, duration_ms, code, start_ms
 RecordRow = tuple[Any, ...]
 
